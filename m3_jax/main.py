@@ -1,0 +1,47 @@
+r"""Command line: train, evaluate or export a config.
+
+  python -m m3_jax.main --config=configs/tiny_lm.py[:arg] --workdir=DIR [--mode=train|eval|export] \
+      [--config.train.steps=100] [--checkpoint=EXPORT_DIR]
+
+Unknown `--config.*` keys are refused by ml_collections (the config is locked); the cheap consistency checks
+(heads vs KV heads, mesh divisibility, a workdir holding another model) run before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics.jsonl and TensorBoard events go")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export"], "what to do")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "eval: an export directory to evaluate instead of WORKDIR")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if os.environ.get("M3_JAX_DISTRIBUTED"):  # multi-process launch: coordinator etc. from the environment
+    import jax  # noqa: PLC0415
+    jax.distributed.initialize()
+  from m3_jax.train import trainer  # noqa: PLC0415  (after flag parsing: a bad flag fails fast)
+
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if _MODE.value == "train":
+    trainer.train_and_evaluate(config, workdir)
+  elif _MODE.value == "eval":
+    trainer.evaluate(config, workdir, _CHECKPOINT.value)
+  else:
+    trainer.export(config, workdir)
+
+
+def run() -> None:
+  app.run(main)
+
+
+if __name__ == "__main__":
+  sys.exit(run())

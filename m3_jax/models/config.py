@@ -1,0 +1,208 @@
+"""Typed model configuration for the M3 text tower.
+
+Field names follow HF transformers' `MiniMaxM3VLTextConfig` so that a real `config.json` maps 1:1 onto
+`TextConfig.from_hf_dict`. Modules receive this dataclass (or the pieces they need), never the whole
+ml_collections experiment config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+LAYER_TYPES = ("full_attention", "minimax_m3_sparse")
+MLP_LAYER_TYPES = ("dense", "sparse")
+ATTENTION_IMPLS = ("xla", "cudnn")
+MOE_IMPLS = ("ragged", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+  """The M3 text model. Defaults are the real MiniMax-M3 text tower (428B total parameters)."""
+
+  vocab_size: int = 200064
+  hidden_size: int = 6144
+  num_hidden_layers: int = 60
+  num_attention_heads: int = 64
+  num_key_value_heads: int = 4
+  head_dim: int = 128
+  # Channels of each head rotated by RoPE (NeoX layout on the first `rotary_dim` dims); HF stores it either as
+  # `rotary_dim` or as `rope_parameters.partial_rotary_factor * head_dim`.
+  rotary_dim: int = 64
+  rope_theta: float = 5_000_000.0
+  rms_norm_eps: float = 1e-6
+  dense_intermediate_size: int = 12288
+  intermediate_size: int = 3072  # per routed expert
+  shared_intermediate_size: int = 3072
+  num_local_experts: int = 128
+  num_experts_per_tok: int = 4
+  routed_scaling_factor: float = 2.0
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
+  layer_types: tuple[str, ...] = ("full_attention",) * 3 + ("minimax_m3_sparse",) * 57
+  mlp_layer_types: tuple[str, ...] = ("dense",) * 3 + ("sparse",) * 57
+  tie_word_embeddings: bool = False
+  initializer_range: float = 0.02
+  # MSA index branch (HF names); used by `minimax_m3_sparse` layers.
+  index_n_heads: int = 4
+  index_head_dim: int = 128
+  index_block_size: int = 128
+  index_topk_blocks: int = 16
+  index_local_blocks: int = 1
+  # Ours, not HF's: implementation switches and training-only knobs.
+  attention_impl: str = "xla"
+  moe_impl: str = "ragged"
+  router_aux_loss_coef: float = 0.001
+  dtype: str = "float32"  # activation / compute dtype; parameters are kept in `param_dtype`
+  param_dtype: str = "float32"
+  remat: bool = False
+
+  def __post_init__(self):
+    # Lists from JSON/ml_collections become tuples so the config stays hashable (it is a jit static argument).
+    object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
+    self.validate()
+
+  def validate(self) -> None:
+    """Raises ValueError naming the field for any inconsistent setting (runs before any compilation)."""
+    def bad(msg):
+      raise ValueError(f"TextConfig: {msg}")
+
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "dense_intermediate_size", "intermediate_size"):
+      if int(getattr(self, name)) <= 0:
+        bad(f"{name}={getattr(self, name)} must be positive")
+    if self.num_attention_heads % self.num_key_value_heads:
+      bad(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+          f"num_key_value_heads={self.num_key_value_heads} (GQA needs whole groups)")
+    if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+      bad(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+    if len(self.layer_types) != self.num_hidden_layers:
+      bad(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers={self.num_hidden_layers}")
+    if len(self.mlp_layer_types) != self.num_hidden_layers:
+      bad(f"mlp_layer_types has {len(self.mlp_layer_types)} entries, num_hidden_layers={self.num_hidden_layers}")
+    for i, t in enumerate(self.layer_types):
+      if t not in LAYER_TYPES:
+        bad(f"layer_types[{i}]={t!r}; expected one of {LAYER_TYPES}")
+    for i, t in enumerate(self.mlp_layer_types):
+      if t not in MLP_LAYER_TYPES:
+        bad(f"mlp_layer_types[{i}]={t!r}; expected one of {MLP_LAYER_TYPES}")
+    if "sparse" in self.mlp_layer_types:
+      if not 0 < self.num_experts_per_tok <= self.num_local_experts:
+        bad(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_local_experts="
+            f"{self.num_local_experts}]")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      bad(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    if self.moe_impl not in MOE_IMPLS:
+      bad(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
+    if self.tie_word_embeddings:
+      bad("tie_word_embeddings=True is not supported: MiniMax-M3 has untied embeddings")
+
+  @property
+  def num_kv_groups(self) -> int:
+    return self.num_attention_heads // self.num_key_value_heads
+
+  def replace(self, **kw) -> "TextConfig":
+    return dataclasses.replace(self, **kw)
+
+  # ---- HF config.json interop ---------------------------------------------------------------------------------
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any], **overrides) -> "TextConfig":
+    """Builds from an HF `config.json` dict (text config, or the `text_config` of a VL config)."""
+    d = dict(d.get("text_config", d))
+    rope = d.get("rope_parameters") or {}
+    if "rotary_dim" not in d and "partial_rotary_factor" in rope:
+      d["rotary_dim"] = int(d.get("head_dim", 128) * rope["partial_rotary_factor"])
+    if "rope_theta" not in d and "rope_theta" in rope:
+      d["rope_theta"] = rope["rope_theta"]
+    legacy = d.pop("sparse_attention_config", None) or {}
+    for ours, theirs in (("index_n_heads", "sparse_num_index_heads"), ("index_head_dim", "sparse_index_dim"),
+                         ("index_block_size", "sparse_block_size"), ("index_topk_blocks", "sparse_topk_blocks"),
+                         ("index_local_blocks", "sparse_local_block")):
+      if theirs in legacy:
+        d[ours] = legacy[theirs]
+    n = d.get("num_hidden_layers", cls.num_hidden_layers)
+    if d.get("layer_types") is None:
+      freq = legacy.get("sparse_attention_freq")
+      d["layer_types"] = (["minimax_m3_sparse" if f else "full_attention" for f in freq] if freq is not None
+                          else ["full_attention"] * n)
+    if d.get("mlp_layer_types") is None:
+      freq = d.get("moe_layer_freq")
+      d["mlp_layer_types"] = ["sparse" if f else "dense" for f in freq] if freq is not None else ["sparse"] * n
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["layer_types"] = list(self.layer_types)
+    d["mlp_layer_types"] = list(self.mlp_layer_types)
+    return d
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "TextConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"TextConfig: unknown fields {unknown}; known fields are {sorted(fields)}")
+    return cls(**d)
+
+
+def layer_pattern(num_layers: int, first_dense: int, dense_kind: str, rest_kind: str) -> tuple[str, ...]:
+  """`first_dense` layers of `dense_kind` then `rest_kind`; M3 is (60, 3, full/dense, sparse/MSA)."""
+  return (dense_kind,) * min(first_dense, num_layers) + (rest_kind,) * max(0, num_layers - first_dense)
+
+
+def param_count(cfg: TextConfig) -> dict[str, int]:
+  """Closed-form parameter counts: total, and active per token (routed experts counted top-k times)."""
+  d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  attn = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 2 * hd + d * 2  # q,k,v,o + q/k norms + 2 layer norms
+  index = d * cfg.index_n_heads * cfg.index_head_dim + d * cfg.index_head_dim + 2 * cfg.index_head_dim
+  total = active = 2 * cfg.vocab_size * d + d  # embed + lm_head + final norm
+  for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types):
+    a = attn + (index if lt == "minimax_m3_sparse" else 0)
+    total += a
+    active += a
+    if mt == "dense":
+      m = 3 * d * cfg.dense_intermediate_size
+      total += m
+      active += m
+    else:
+      expert = 3 * d * cfg.intermediate_size
+      shared = 3 * d * cfg.shared_intermediate_size
+      router = d * cfg.num_local_experts + cfg.num_local_experts
+      total += cfg.num_local_experts * expert + shared + router
+      active += cfg.num_experts_per_tok * expert + shared + router
+  return {"total": total, "active": active}
+
+
+def train_flops_per_token(cfg: TextConfig, seq_len: int) -> float:
+  """Model FLOPs per trained token (fwd + bwd = 3x fwd), the MFU numerator.
+
+  Matmul parameters count 6 FLOPs per token (embedding lookups excluded); causal attention adds
+  6 * 2 * T * Hq * D / 2 per layer per token (QK^T and PV, halved by the causal mask), as in the PaLM appendix.
+  MSA layers count only their selected tokens (min(T, topk * block)) plus the index scoring.
+  """
+  counts = param_count(cfg)
+  matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size  # embedding is a gather, not a matmul
+  flops = 6.0 * matmul_params
+  hq, hd = cfg.num_attention_heads, cfg.head_dim
+  for lt in cfg.layer_types:
+    if lt == "minimax_m3_sparse":
+      keys = min(seq_len / 2, cfg.index_topk_blocks * cfg.index_block_size)
+      flops += 6 * 2 * keys * hq * hd + 6 * seq_len / 2 * cfg.index_n_heads * cfg.index_head_dim
+    else:
+      flops += 6 * 2 * (seq_len / 2) * hq * hd
+  return flops
+
+
+def from_sequence(x: Sequence[str] | str) -> tuple[str, ...]:
+  """Accepts a tuple/list or a comma-separated string (handy for command-line overrides)."""
+  if isinstance(x, str):
+    return tuple(s.strip() for s in x.split(",") if s.strip())
+  return tuple(x)

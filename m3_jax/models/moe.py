@@ -1,0 +1,113 @@
+"""M3 mixture-of-experts block: sigmoid router with a choice-only bias, top-k renormalised weights times
+`routed_scaling_factor`, SwiGLU-OAI experts, one always-on shared expert.
+
+Two expert implementations compute the same function: `ragged` (tokens sorted by expert, grouped matmuls with
+`jax.lax.ragged_dot`: dropless, no capacity factor, FLOPs of the chosen experts only) and `dense` (every expert on
+every token, weighted by the sparse combine matrix: simple, used as a reference in tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3_jax.models.layers import DenseMLP, param, swiglu_oai
+from m3_jax.train.sharding import constrain
+
+
+class RouterBias(nnx.Variable):
+  """`e_score_correction_bias`: shifts which experts are chosen, never the combine weights; not trained by SGD."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDims:
+  d_model: int
+  num_experts: int
+  top_k: int
+  intermediate: int
+  shared_intermediate: int
+  routed_scaling_factor: float
+  alpha: float
+  limit: float
+
+
+def route(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float):
+  """logits: [N, E] f32 -> (weights [N, k] f32, expert ids [N, k] int32, sigmoid scores [N, E])."""
+  scores = jax.nn.sigmoid(logits)
+  _, idx = jax.lax.top_k(scores + bias[None, :], top_k)  # the bias only picks
+  w = jnp.take_along_axis(scores, idx, axis=-1)
+  w = w / jnp.sum(w, axis=-1, keepdims=True) * scaling
+  return w, idx.astype(jnp.int32), scores
+
+
+def load_balance_loss(scores: jax.Array, idx: jax.Array, num_experts: int, mask: jax.Array | None):
+  """Switch-style balance loss adapted to sigmoid scores: E * sum_e f_e * p_e, where f_e is the share of routed
+  slots that went to e and p_e the mean normalised score of e. Equals 1 when routing is uniform.
+
+  scores: [N, E]; idx: [N, k]; mask: [N] (1 for real tokens). Returns (loss, f [E]).
+  """
+  n, k = idx.shape
+  m = jnp.ones((n,), jnp.float32) if mask is None else mask.astype(jnp.float32)
+  counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(jnp.repeat(m, k))
+  denom = jnp.maximum(jnp.sum(m), 1.0)
+  f = counts / (denom * k)
+  p = jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True) * m[:, None], axis=0) / denom
+  return num_experts * jnp.sum(f * p), f
+
+
+class MoE(nnx.Module):
+
+  def __init__(self, dims: MoEDims, *, impl: str, rngs: nnx.Rngs, std: float = 0.02, param_dtype=jnp.float32,
+               dtype=jnp.float32):
+    self.dims, self.impl, self.dtype = dims, impl, dtype
+    e, dm, i = dims.num_experts, dims.d_model, dims.intermediate
+    self.router = param(rngs, (dm, e), ("embed", None), std=std, dtype=jnp.float32)
+    self.e_score_correction_bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+    self.gate_up = param(rngs, (e, dm, 2, i), ("exp", "embed", None, "mlp"), std=std, dtype=param_dtype)
+    self.down = param(rngs, (e, i, dm), ("exp", "mlp", "embed"), std=std, dtype=param_dtype)
+    self.shared = DenseMLP(dm, dims.shared_intermediate, alpha=dims.alpha, limit=dims.limit, rngs=rngs, std=std,
+                           param_dtype=param_dtype, dtype=dtype)
+
+  def _experts_ragged(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
+    """x: [N, d]; w, idx: [N, k] -> [N, d]."""
+    n, k = idx.shape
+    e, dm, i = self.dims.num_experts, self.dims.d_model, self.dims.intermediate
+    flat = idx.reshape(-1)  # [N*k]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # which token each sorted slot belongs to
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x[token]  # [N*k, d]
+    gu = jax.lax.ragged_dot(xs, self.gate_up[...].astype(self.dtype).reshape(e, dm, 2 * i), group_sizes,
+                            preferred_element_type=jnp.float32)  # [N*k, 2I]
+    h = swiglu_oai(gu[:, :i], gu[:, i:], alpha=self.dims.alpha, limit=self.dims.limit).astype(self.dtype)
+    y = jax.lax.ragged_dot(h, self.down[...].astype(self.dtype), group_sizes,
+                           preferred_element_type=jnp.float32)  # [N*k, d]
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros((n, dm), jnp.float32).at[token].add(y)
+
+  def _experts_dense(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
+    e = self.dims.num_experts
+    combine = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32) * w[..., None], axis=1)  # [N, E]
+    gu = jnp.einsum("nd,edgi->negi", x, self.gate_up[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    h = swiglu_oai(gu[:, :, 0], gu[:, :, 1], alpha=self.dims.alpha, limit=self.dims.limit)  # [N, E, I]
+    y = jnp.einsum("nei,eid->ned", h.astype(self.dtype), self.down[...].astype(self.dtype),
+                   preferred_element_type=jnp.float32)
+    return jnp.einsum("ned,ne->nd", y, combine)
+
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None):
+    """x: [B, T, d]; mask: [B, T] real-token mask for the balance statistics. Returns (y [B, T, d], aux)."""
+    b, t, dm = x.shape
+    xf = x.reshape(b * t, dm)  # [N, d]
+    logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...])
+    w, idx, scores = route(logits, self.e_score_correction_bias[...], self.dims.top_k,
+                           self.dims.routed_scaling_factor)
+    experts = self._experts_ragged if self.impl == "ragged" else self._experts_dense
+    y = experts(xf, w, idx).astype(x.dtype).reshape(b, t, dm)
+    y = constrain(y, ("activation_batch", "activation_length", "activation_embed"))
+    y = y + self.shared(x)
+    loss, load = load_balance_loss(scores, idx, self.dims.num_experts,
+                                   None if mask is None else mask.reshape(-1))
+    return y, {"moe_aux_loss": loss, "expert_load": load}

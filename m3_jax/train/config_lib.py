@@ -1,0 +1,69 @@
+"""From the ml_collections experiment config to the typed pieces the code takes, with checks before compilation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from m3_jax.models.config import TextConfig
+from m3_jax.train.optimizer import OptimConfig
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """big_vision-style `get_config(arg)` argument: "variant=moe,steps=100,runlocal" -> ConfigDict.
+
+  A bare word sets a boolean flag. Values are typed by their default; unknown keys are an error.
+  """
+  out = dict(defaults)
+  for item in (arg or "").split(","):
+    item = item.strip()
+    if not item:
+      continue
+    key, eq, value = item.partition("=")
+    if key not in defaults:
+      raise ValueError(f"config argument {key!r} is unknown; known: {sorted(defaults)}")
+    d = defaults[key]
+    if not eq:
+      out[key] = True
+    elif isinstance(d, bool):
+      out[key] = value.lower() in ("1", "true", "yes", "on")
+    elif isinstance(d, int):
+      out[key] = int(value)
+    elif isinstance(d, float):
+      out[key] = float(value)
+    else:
+      out[key] = value
+  return ml_collections.ConfigDict(out)
+
+
+def model_config(config: ml_collections.ConfigDict) -> TextConfig:
+  return TextConfig.from_dict(dict(config.model.to_dict()))
+
+
+def optim_config(config: ml_collections.ConfigDict) -> OptimConfig:
+  d = dict(config.optim.to_dict())
+  d.setdefault("total_steps", config.train.steps)
+  return OptimConfig(**d)
+
+
+def check_train_config(config: ml_collections.ConfigDict) -> None:
+  """The cheap checks a user deserves before minutes of compilation."""
+  t = config.train
+  for key in ("steps", "batch_size", "seq_len"):
+    if int(t[key]) <= 0:
+      raise ValueError(f"train.{key}={t[key]} must be positive")
+  if t.seq_len < 2:
+    raise ValueError(f"train.seq_len={t.seq_len} must be >= 2")
+  if int(config.checkpoint.every) < 0:
+    raise ValueError(f"checkpoint.every={config.checkpoint.every} must be >= 0 (0 disables periodic saves)")
+
+
+def to_jsonable(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  def conv(x):
+    if isinstance(x, dict):
+      return {k: conv(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [conv(v) for v in x]
+    return x
+  return conv(config.to_dict())

@@ -1,0 +1,61 @@
+"""The full set of experiment-config keys with their defaults; each `configs/*.py` starts from `base_config()`.
+
+Every key exists here, so a typo on the command line (`--config.trian.steps=5`) is refused by the locked config.
+"""
+
+import ml_collections
+
+from m3_jax.models.config import TextConfig
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict(TextConfig().to_dict())
+  c.model.layer_types = tuple(c.model.layer_types)
+  c.model.mlp_layer_types = tuple(c.model.mlp_layer_types)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.dir = "data"
+  c.data.sources = ()  # () = every prepared source
+  # Bring your own text: "NAME=GLOB[,GLOB...][;NAME2=GLOB...]", e.g. "notes=/data/notes/*.txt".
+  c.data.text_files = ""
+  c.data.vocab_size = 8192
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1000
+  c.train.batch_size = 16
+  c.train.seq_len = 256
+  c.train.seed = 0
+  c.train.log_every = 10
+  c.train.eval_every = 200
+  c.train.moe_aux_coef = 1e-3
+  c.train.kl_weight = 1.0
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 1e-3
+  c.optim.schedule = "cosine"  # cosine | wsd | constant
+  c.optim.warmup_steps = 100
+  c.optim.decay_fraction = 0.2  # wsd only
+  c.optim.decay_shape = "linear"
+  c.optim.min_lr_ratio = 0.1
+  c.optim.weight_decay = 0.1
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.eps = 1e-8
+  c.optim.grad_clip = 1.0
+
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 500  # 0: only at the end (and on SIGTERM / Ctrl-C)
+  c.checkpoint.keep = 3
+  c.checkpoint.async_save = True
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.batch_size = 16
+  c.eval.max_batches = 8
+
+  c.export = ml_collections.ConfigDict()
+  c.export.path = ""  # default WORKDIR/export
+  c.export.dtype = "bfloat16"  # "" keeps the training dtype
+  return c

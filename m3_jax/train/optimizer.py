@@ -1,0 +1,78 @@
+"""AdamW with warmup-cosine or warmup-stable-decay (WSD) schedules, global-norm clipping, a weight-decay mask."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 3e-3
+  schedule: str = "cosine"
+  warmup_steps: int = 100
+  total_steps: int = 1000
+  # WSD: the last `decay_fraction` of the steps decay linearly (or 1-sqrt) to min_lr_ratio * lr.
+  decay_fraction: float = 0.2
+  decay_shape: str = "linear"
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+
+  def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"optim.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+    if self.decay_shape not in ("linear", "sqrt"):
+      raise ValueError(f"optim.decay_shape={self.decay_shape!r}; expected 'linear' or 'sqrt'")
+    if not 0 <= self.warmup_steps <= self.total_steps:
+      raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps}]")
+    if not 0.0 <= self.decay_fraction <= 1.0:
+      raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
+
+
+def wsd_decay_start(cfg: OptimConfig) -> int:
+  """First step of the WSD decay phase (the CPT experiments add vision here)."""
+  return max(cfg.warmup_steps, cfg.total_steps - int(round(cfg.decay_fraction * cfg.total_steps)))
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+  lr, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+  warm = max(cfg.warmup_steps, 1)
+  if cfg.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(cfg.total_steps, warm + 1), end_value=floor)
+  if cfg.schedule == "constant":
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), optax.constant_schedule(lr)], [warm])
+  start = wsd_decay_start(cfg)
+  length = max(cfg.total_steps - start, 1)
+
+  def wsd(step):
+    step = jnp.asarray(step, jnp.float32)
+    warmup = lr * jnp.minimum(step / warm, 1.0)
+    frac = jnp.clip((step - start) / length, 0.0, 1.0)
+    shape = frac if cfg.decay_shape == "linear" else 1.0 - jnp.sqrt(1.0 - frac)
+    decayed = lr - (lr - floor) * shape
+    return jnp.where(step < start, warmup, decayed)
+
+  return wsd
+
+
+def decay_mask(params):
+  """Decay matrices only; norms' scales and the router bias (not a Param) are left alone."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  schedule = make_schedule(cfg)
+  tx = optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),
+  )
+  return tx, schedule
