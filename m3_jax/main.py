@@ -1,6 +1,6 @@
 r"""Command line: train, evaluate or export a config.
 
-  python -m m3_jax.main --config=configs/tiny_lm.py[:arg] --workdir=DIR [--mode=train|eval|export] \
+  python -m m3_jax.main --config=configs/tiny_lm.py[:arg] --workdir=DIR [--mode=train|eval|export|aot] \
       [--config.train.steps=100] [--checkpoint=EXPORT_DIR]
 
 Unknown `--config.*` keys are refused by ml_collections (the config is locked); the cheap consistency checks
@@ -17,7 +17,8 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics.jsonl and TensorBoard events go")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export"], "what to do")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "aot"],
+                          "train | eval | export (params-only) | aot (compile on a fake mesh, report memory)")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "eval: an export directory to evaluate instead of WORKDIR")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -28,9 +29,14 @@ def main(argv):
   if os.environ.get("M3_JAX_DISTRIBUTED"):  # multi-process launch: coordinator etc. from the environment
     import jax  # noqa: PLC0415
     jax.distributed.initialize()
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if _MODE.value == "aot":
+    from m3_jax.train import aot  # noqa: PLC0415
+    aot.fake_devices(int(config.get("aot_devices", 0) or 8))
+    aot.compile_report(config, workdir)
+    return
   from m3_jax.train import trainer  # noqa: PLC0415  (after flag parsing: a bad flag fails fast)
 
-  config, workdir = _CONFIG.value, _WORKDIR.value
   if _MODE.value == "train":
     trainer.train_and_evaluate(config, workdir)
   elif _MODE.value == "eval":

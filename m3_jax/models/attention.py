@@ -104,9 +104,11 @@ class Attention(nnx.Module):
     return jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(self.dtype))
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
-               cache: Any = None, capture: bool = False):
+               cache: Any = None, capture: bool = False, step_state: Any = None):
     """x: [B, T, d_model]; positions: [B, T] (RoPE positions, restarting per packed document).
+    step_state (the training step, read by MSA's warmup) is unused by dense attention.
     Returns (y [B, T, d_model], aux dict)."""
+    del step_state
     q, k, v = self.project(x, positions)
     aux = {}
     q_offset = None

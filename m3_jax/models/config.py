@@ -112,8 +112,9 @@ class TextConfig:
     """Builds from an HF `config.json` dict (text config, or the `text_config` of a VL config)."""
     d = dict(d.get("text_config", d))
     rope = d.get("rope_parameters") or {}
-    if "rotary_dim" not in d and "partial_rotary_factor" in rope:
-      d["rotary_dim"] = int(d.get("head_dim", 128) * rope["partial_rotary_factor"])
+    # HF's modeling code reads the rotated width from partial_rotary_factor only (its `rotary_dim` field is never
+    # read, and a missing factor rotates the whole head); follow what HF computes, not what the file says.
+    d["rotary_dim"] = int(d.get("head_dim", cls.head_dim) * rope.get("partial_rotary_factor", 1.0))
     if "rope_theta" not in d and "rope_theta" in rope:
       d["rope_theta"] = rope["rope_theta"]
     legacy = d.pop("sparse_attention_config", None) or {}

@@ -62,7 +62,7 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, positions, segment_ids, mask, *, cache=None, capture=False, step_state=None):
     h, attn_aux = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache=cache, capture=capture,
-                                 **({} if step_state is None else {"step_state": step_state}))
+                                 step_state=step_state)
     x = x + h
     y = self.post_attention_layernorm(x)
     if self.mlp_type == "dense":
@@ -112,7 +112,11 @@ class TextModel(nnx.Module):
       return layer(x, positions, segment_ids, mask, cache=cache, capture=capture_attention, step_state=step_state)
 
     if self.cfg.remat and caches is None:
-      run = nnx.remat(run)
+      plain = run
+
+      def run(layer, *args):  # noqa: F811  (layers do not mutate state in the forward, so split/merge is exact)
+        graphdef, state = nnx.split(layer)
+        return jax.checkpoint(lambda st, *a: plain(nnx.merge(graphdef, st), *a))(state, *args)
     for i, layer in enumerate(self.layers):
       x, aux = run(layer, x, positions, segment_ids, mask, None if caches is None else caches[i])
       if "moe_aux_loss" in aux:

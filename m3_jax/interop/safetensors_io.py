@@ -1,0 +1,101 @@
+"""Minimal safetensors reader/writer on numpy memory maps: tensors are read one at a time, never the whole file.
+
+Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class SafetensorsFile:
+  """Lazy view of one .safetensors file: `names`, `shape(name)`, `get(name)` (a numpy array)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    with open(path, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(n))
+    self.metadata = header.pop("__metadata__", {})
+    self.header = header
+    self._base = 8 + n
+    self._mm = None
+
+  @property
+  def names(self) -> list[str]:
+    return list(self.header)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.header[name]["shape"])
+
+  def get(self, name: str) -> np.ndarray:
+    info = self.header[name]
+    if info["dtype"] not in _DTYPES:
+      raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+    if self._mm is None:
+      self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+    start, end = info["data_offsets"]
+    raw = self._mm[self._base + start:self._base + end]
+    return np.frombuffer(raw, dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+class Checkpoint:
+  """A single `model.safetensors` or a sharded set indexed by `model.safetensors.index.json`."""
+
+  def __init__(self, directory: str):
+    index = os.path.join(directory, "model.safetensors.index.json")
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.exists(index):
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+      files = {fn: SafetensorsFile(os.path.join(directory, fn)) for fn in sorted(set(weight_map.values()))}
+      self._where = {name: files[fn] for name, fn in weight_map.items()}
+    elif os.path.exists(single):
+      f = SafetensorsFile(single)
+      self._where = {name: f for name in f.names}
+    else:
+      raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json")
+
+  @property
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._where[name].shape(name)
+
+  def get(self, name: str) -> np.ndarray:
+    return self._where[name].get(name)
+
+
+def write(path: str, tensors: Mapping[str, np.ndarray] | Iterator[tuple[str, np.ndarray]],
+          metadata: Mapping[str, str] | None = None) -> None:
+  items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+  header, offset = {}, 0
+  for name, arr in items:
+    arr = np.asarray(arr)
+    if arr.dtype not in _NAMES:
+      raise ValueError(f"tensor {name}: dtype {arr.dtype} cannot be written to safetensors")
+    header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+    offset += arr.nbytes
+  if metadata:
+    header["__metadata__"] = dict(metadata)
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for _, arr in items:
+      f.write(np.ascontiguousarray(arr).tobytes())

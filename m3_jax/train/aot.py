@@ -1,0 +1,99 @@
+"""Ahead-of-time compilation of one train step on a fake device mesh: how a model too big for this machine would
+be sharded, and how many bytes each device would hold. Nothing is allocated: the state is abstract."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from m3_jax.models.config import param_count
+from m3_jax.models.transformer import TextModel
+from m3_jax.train import config_lib, sharding
+from m3_jax.train.optimizer import make_optimizer
+from m3_jax.train.steps import TrainState, make_train_step
+
+
+def fake_devices(n: int) -> None:
+  """Must run before JAX initialises its backend (the first jax.devices() call)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+  jax.config.update("jax_platforms", "cpu")
+
+
+def _gib(b: float) -> str:
+  return f"{b / 2**30:,.2f} GiB"
+
+
+def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  from m3_jax.train.trainer import check_fits, param_shardings, state_shardings_for  # noqa: PLC0415
+  n = int(config.get("aot_devices", 0) or jax.device_count())
+  if jax.device_count() < n:
+    raise RuntimeError(f"aot: {n} devices requested but JAX already started with {jax.device_count()}; "
+                       "run --mode=aot in a fresh process")
+  cfg = config_lib.model_config(config)
+  mesh = sharding.make_mesh(dict(config.mesh), jax.devices()[:n])
+  check_fits(cfg, config, mesh)
+  tx, schedule = make_optimizer(config_lib.optim_config(config))
+  graphdef, _, (p_sh, r_sh) = param_shardings(cfg, mesh)
+
+  def init(key):
+    model = TextModel(cfg, rngs=nnx.Rngs(params=key))
+    _, p, r = nnx.split(model, nnx.Param, ...)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=p, rest=r, opt_state=tx.init(p),
+                      rng=jax.random.fold_in(key, 1))
+
+  abstract = jax.eval_shape(init, jax.random.key(0))
+  state_sh = state_shardings_for(abstract, p_sh, r_sh, mesh)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
+  b, t = int(config.train.batch_size), int(config.train.seq_len)
+  bsh = sharding.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
+           for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+  step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
+                                 kl_weight=float(config.train.kl_weight)),
+                 in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=(0,))
+  t0 = time.time()
+  with jax.set_mesh(mesh):
+    lowered = step.lower(abstract, batch)
+  t_lower = time.time() - t0
+  compiled = lowered.compile()
+  t_compile = time.time() - t0 - t_lower
+  mem = compiled.memory_analysis()
+  counts = param_count(cfg)
+  params_b = sharding.bytes_per_device(abstract.params)
+  opt_b = sharding.bytes_per_device(abstract.opt_state)
+  report = {
+      "mesh": dict(mesh.shape), "devices": n, "batch_size": b, "seq_len": t,
+      "params_total": counts["total"], "params_active_per_token": counts["active"],
+      "param_bytes_per_device": params_b["per_device"], "param_bytes_global": params_b["global"],
+      "opt_state_bytes_per_device": opt_b["per_device"],
+      "compiled_argument_bytes_per_device": getattr(mem, "argument_size_in_bytes", None),
+      "compiled_output_bytes_per_device": getattr(mem, "output_size_in_bytes", None),
+      "compiled_temp_bytes_per_device": getattr(mem, "temp_size_in_bytes", None),
+      "lower_seconds": t_lower, "compile_seconds": t_compile,
+  }
+  lines = [
+      f"model: {counts['total'] / 1e9:,.1f}B parameters ({counts['active'] / 1e9:,.1f}B active per token), "
+      f"{cfg.num_hidden_layers} layers",
+      f"mesh {dict(mesh.shape)} ({n} fake CPU devices), batch {b} x {t} tokens",
+      f"params per device     {_gib(params_b['per_device'])}  (global {_gib(params_b['global'])})",
+      f"optimizer per device  {_gib(opt_b['per_device'])}",
+  ]
+  if mem is not None:
+    lines += [f"compiled step: arguments {_gib(mem.argument_size_in_bytes)}, outputs {_gib(mem.output_size_in_bytes)}, "
+              f"temporaries {_gib(mem.temp_size_in_bytes)} per device"]
+  lines += [f"lowered in {t_lower:.1f}s, compiled in {t_compile:.1f}s"]
+  print("\n".join(lines), flush=True)
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "aot_report.json")
+  with open(path, "w") as f:
+    json.dump(report, f, indent=2)
+  print(f"wrote {path}")
+  return report
