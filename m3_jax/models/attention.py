@@ -112,8 +112,10 @@ class Attention(nnx.Module):
     q, k, v = self.project(x, positions)
     aux = {}
     q_offset = None
-    if cache is not None:
-      k, v, q_offset = cache.update(k, v)
+    if cache is not None:  # decoding: attend over the whole buffer; unwritten slots lie in every query's future
+      q_offset = cache.length
+      cache = cache.update(k, v)
+      k, v, aux["cache"] = cache.k, cache.v, cache
       segment_ids = None  # generation is one sequence per row
     res = dot_product_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids,
                                 return_probs=capture)

@@ -50,6 +50,13 @@ class TextConfig:
   index_block_size: int = 128
   index_topk_blocks: int = 16
   index_local_blocks: int = 1
+  # MSA training (ours): KL weight per MSA layer, indexer warmup steps (dense attention + dense KL target), and
+  # the input detach of the index branch (True always, except for the paper's ablation).
+  kl_weight: float = 1.0
+  warmup_steps: int = 0
+  detach_index_input: bool = True
+  msa_impl: str = "xla"  # pallas_kernels.msa implementation: xla | reference | pallas
+  msa_metric_queries: int = 64  # queries sampled per step for the recall metrics
   # Ours, not HF's: implementation switches and training-only knobs.
   attention_impl: str = "xla"
   moe_impl: str = "ragged"

@@ -106,7 +106,7 @@ class TextModel(nnx.Module):
       start = 0 if caches is None else caches[0].length
       positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = loss_mask if loss_mask is not None else (None if segment_ids is None else segment_ids > 0)
-    moe_losses, loads, kls, probs, layer_metrics = [], [], [], [], {}
+    moe_losses, loads, kls, probs, layer_metrics, new_caches, block_idx = [], [], [], [], {}, [], []
 
     def run(layer, x, positions, segment_ids, mask, cache):
       return layer(x, positions, segment_ids, mask, cache=cache, capture=capture_attention, step_state=step_state)
@@ -126,6 +126,9 @@ class TextModel(nnx.Module):
         kls.append(aux["kl_loss"])
       if capture_attention:
         probs.append(aux.get("attention_probs"))
+        block_idx.append(aux.get("block_idx"))  # MSA layers: [B, Hkv, T, topk]; None for dense layers
+      if "cache" in aux:
+        new_caches.append(aux["cache"])
       for k, v in aux.get("metrics", {}).items():
         layer_metrics[f"layer{i}/{k}"] = v
     x = self.norm(x)
@@ -140,4 +143,7 @@ class TextModel(nnx.Module):
       out_aux["expert_load"] = jnp.stack(loads)  # [num_moe_layers, E]
     if capture_attention:
       out_aux["attention_probs"] = probs
+      out_aux["block_idx"] = block_idx
+    if caches is not None:
+      out_aux["caches"] = new_caches
     return logits, out_aux
