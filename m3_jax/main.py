@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's C++ warnings (e.g. SPMD remat notes) off by default
+
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]", lock_config=True)
@@ -24,6 +26,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if os.environ.get("M3_JAX_DISTRIBUTED"):  # multi-process launch: coordinator etc. from the environment

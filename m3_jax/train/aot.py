@@ -57,7 +57,7 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
            for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
   step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
-                                 kl_weight=float(config.train.kl_weight)),
+                                 kl_weight=cfg.kl_weight),
                  in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=(0,))
   t0 = time.time()
   with jax.set_mesh(mesh):

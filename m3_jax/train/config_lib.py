@@ -44,6 +44,8 @@ def model_config(config: ml_collections.ConfigDict) -> TextConfig:
 def optim_config(config: ml_collections.ConfigDict) -> OptimConfig:
   d = dict(config.optim.to_dict())
   d.setdefault("total_steps", config.train.steps)
+  # A short run of a long config (`--config.train.steps=20`) should still work: warmup never exceeds the run.
+  d["warmup_steps"] = min(int(d["warmup_steps"]), int(d["total_steps"]))
   return OptimConfig(**d)
 
 

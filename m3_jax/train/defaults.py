@@ -16,7 +16,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.dir = "data"
-  c.data.sources = ()  # () = every prepared source
+  c.data.use_builtin = True  # the package-shipped English corpus (DESIGN.md §4)
+  c.data.sources = ()  # built-in sources to prepare; () = the default set
+  c.data.num_workers = 0  # grain worker processes (0: in-process, deterministic on any machine)
   # Bring your own text: "NAME=GLOB[,GLOB...][;NAME2=GLOB...]", e.g. "notes=/data/notes/*.txt".
   c.data.text_files = ""
   c.data.vocab_size = 8192
@@ -29,7 +31,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.log_every = 10
   c.train.eval_every = 200
   c.train.moe_aux_coef = 1e-3
-  c.train.kl_weight = 1.0
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-3

@@ -97,10 +97,14 @@ def parse_text_files(spec: str) -> dict[str, list[str]] | None:
 
 
 def prepare_data(config: ml_collections.ConfigDict):
+  """Idempotent: the first call builds data.dir (downloads, BPE, token files), later calls read the manifest."""
   from m3_jax.data import corpus  # noqa: PLC0415  (keeps `eval`/`export` free of the data deps)
   d = config.data
-  text_files = parse_text_files(d.get("text_files", ""))
-  return corpus.prepare(d.dir, sources=tuple(d.sources) if d.get("sources") else None, text_files=text_files,
+  if d.use_builtin:
+    sources = tuple(d.sources) if d.sources else None  # None: the default built-in set
+  else:
+    sources = ()
+  return corpus.prepare(d.dir, sources=sources, text_files=parse_text_files(d.text_files),
                         vocab_size=int(d.vocab_size), verbose=jax.process_index() == 0)
 
 
@@ -108,19 +112,19 @@ def train_iterator(config: ml_collections.ConfigDict):
   from m3_jax.data import pipeline  # noqa: PLC0415
   d, t = config.data, config.train
   ds = pipeline.make_train_dataset(d.dir, seq_len=int(t.seq_len), global_batch_size=int(t.batch_size),
-                                   seed=int(t.seed), sources=tuple(d.sources) if d.get("sources") else None,
-                                   process_index=jax.process_index(), process_count=jax.process_count())
+                                   seed=int(t.seed), process_index=jax.process_index(),
+                                   process_count=jax.process_count(), num_workers=int(d.num_workers))
   return iter(ds)
 
 
 def eval_sets(config: ml_collections.ConfigDict) -> dict[str, list[dict]]:
+  """Every prepared source's fixed held-out split (per-source loss and perplexity)."""
   from m3_jax.data import pipeline  # noqa: PLC0415
   d, t = config.data, config.train
-  names = tuple(d.sources) if d.get("sources") else pipeline.list_sources(d.dir)
   return {name: pipeline.make_eval_batches(d.dir, name, seq_len=int(t.seq_len),
                                            batch_size=int(config.eval.batch_size),
                                            max_batches=int(config.eval.max_batches))
-          for name in names}
+          for name in pipeline.list_sources(d.dir)}
 
 
 def to_global(batch: dict, mesh) -> dict:
@@ -248,7 +252,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   # ---- steps, compiled ahead of time -------------------------------------------------------------------------------
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
-                                       kl_weight=float(config.train.kl_weight)),
+                                       kl_weight=cfg.kl_weight),
                        in_shardings=(state_sh, sharding.batch_sharding(mesh)),
                        out_shardings=(state_sh, None), donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(graphdef),

@@ -1,0 +1,10 @@
+"""Config file for subprocess training tests: `--config=tests/small_config.py:DATA_DIR`."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_utils import small_config  # noqa: E402
+
+
+def get_config(arg=None):
+  return small_config(arg or "/tmp/m3_test_data")
