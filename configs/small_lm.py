@@ -13,7 +13,7 @@ from m3_jax.train.defaults import base_config
 
 def get_config(arg=None):
   a = parse_arg(arg, moe=False, steps=300, batch_size=8, seq_len=4096, layers=16, attention="cudnn",
-                remat=False)
+                remat=False, document_mask=True)
   c = base_config()
   m = c.model
   m.vocab_size = 8192
@@ -34,6 +34,7 @@ def get_config(arg=None):
   m.attention_impl = a.attention
   m.dtype = "bfloat16"
   m.remat = a.remat
+  m.document_mask = a.document_mask
 
   c.train.steps = a.steps
   c.train.batch_size = a.batch_size

@@ -89,7 +89,7 @@ def debian_package(pkg: str, cache_dir: str) -> str:
   deb = _find_deb(root, pkg)
   if deb is None:
     if not apt_available():
-      raise FetchError(f"Debian package {pkg!r} needs apt-get, which is not available on this machine")
+      raise FetchError("apt-get is not available on this machine")
     proc = _run(["apt-get", "download", pkg], cwd=root)
     if proc.returncode != 0 and _can_update():
       upd = _run(["apt-get", "update"], timeout=900)

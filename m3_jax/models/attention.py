@@ -76,8 +76,9 @@ class Attention(nnx.Module):
   m3_jax/interop maps them to HF's [out, in] Linear layout."""
 
   def __init__(self, dims: AttentionDims, *, impl: str, rngs: nnx.Rngs, std: float = 0.02,
-               param_dtype=jnp.float32, dtype=jnp.float32):
+               param_dtype=jnp.float32, dtype=jnp.float32, document_mask: bool = True):
     self.dims, self.impl, self.dtype = dims, impl, dtype
+    self.document_mask = document_mask
     dm, hq, hkv, hd = dims.d_model, dims.num_heads, dims.num_kv_heads, dims.head_dim
     self.q_proj = param(rngs, (dm, hq, hd), ("embed", "q_heads", "head_dim"), std=std, dtype=param_dtype)
     self.k_proj = param(rngs, (dm, hkv, hd), ("embed", "kv_heads", "head_dim"), std=std, dtype=param_dtype)
@@ -112,6 +113,8 @@ class Attention(nnx.Module):
     q, k, v = self.project(x, positions)
     aux = {}
     q_offset = None
+    if not self.document_mask:
+      segment_ids = None
     if cache is not None:  # decoding: attend over the whole buffer; unwritten slots lie in every query's future
       q_offset = cache.length
       cache = cache.update(k, v)

@@ -59,6 +59,9 @@ class TextConfig:
   msa_metric_queries: int = 64  # queries sampled per step for the recall metrics
   # Ours, not HF's: implementation switches and training-only knobs.
   attention_impl: str = "xla"
+  # Packed rows hold several documents; True masks attention between them (exact per-document training). False
+  # attends causally across the whole row, which lets cuDNN skip the upper triangle instead of reading a mask.
+  document_mask: bool = True
   moe_impl: str = "ragged"
   router_aux_loss_coef: float = 0.001
   dtype: str = "float32"  # activation / compute dtype; parameters are kept in `param_dtype`

@@ -118,7 +118,8 @@ class MSAAttention(Attention):
     dims = AttentionDims(d_model=cfg.hidden_size, num_heads=cfg.num_attention_heads,
                          num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
                          rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps)
-    super().__init__(dims, impl=cfg.attention_impl, rngs=rngs, std=std, param_dtype=param_dtype, dtype=dtype)
+    super().__init__(dims, impl=cfg.attention_impl, rngs=rngs, std=std, param_dtype=param_dtype, dtype=dtype,
+                     document_mask=cfg.document_mask)
     if cfg.index_n_heads != cfg.num_key_value_heads:
       raise ValueError(f"TextConfig: index_n_heads={cfg.index_n_heads} must equal num_key_value_heads="
                        f"{cfg.num_key_value_heads} (MSA selects per GQA group)")
@@ -134,6 +135,8 @@ class MSAAttention(Attention):
                step_state: Any = None):
     """x: [B, T, d]. Returns (y [B, T, d], aux) with aux: kl_loss, metrics (training), cache (decoding)."""
     q, k, v = self.project(x, positions)
+    if not self.document_mask:
+      segment_ids = None
     q_idx, k_idx = self.indexer(jax.lax.stop_gradient(x) if self.detach else x, positions)
     aux: dict[str, Any] = {}
     q_offset = None

@@ -39,7 +39,7 @@ def make_attention(cfg: TextConfig, layer_type: str, *, rngs: nnx.Rngs, **kw) ->
           "layer_types contains 'minimax_m3_sparse' but MSA layers are not available in this build "
           f"({e}); use 'full_attention' layers") from e
     return MSAAttention(cfg, rngs=rngs, **kw)
-  return Attention(attention_dims(cfg), impl=cfg.attention_impl, rngs=rngs, **kw)
+  return Attention(attention_dims(cfg), impl=cfg.attention_impl, rngs=rngs, document_mask=cfg.document_mask, **kw)
 
 
 class DecoderLayer(nnx.Module):
