@@ -45,6 +45,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.eps = 1e-8
   c.optim.grad_clip = 1.0
 
+  # Warm start from an export directory (--mode=export): matching parameters are copied, new ones (MSA's index
+  # branch when converting a dense model) are freshly initialised. Ignored when WORKDIR already has a checkpoint.
+  c.init_from = ""
+
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
 
   c.checkpoint = ml_collections.ConfigDict()

@@ -77,6 +77,40 @@ def state_shardings_for(abstract: TrainState, p_sh, r_sh, mesh) -> TrainState:
   return TrainState(step=replicated, params=p_sh, rest=r_sh, opt_state=opt_sh, rng=replicated)
 
 
+def init_from_export(state: TrainState, path: str, mesh) -> TrainState:
+  """Warm start from an export (e.g. dense -> MSA, the paper's MSA-CPT): every parameter the export has is
+  copied (same path, same shape); the rest (MSA index projections and norms) keep their fresh initialisation.
+  The optimizer starts fresh at step 0."""
+  if not ckpt_lib.is_export(path):
+    raise FileNotFoundError(f"init_from={path!r} is not an export directory (made by --mode=export)")
+  src_cfg = TextConfig.from_dict(ckpt_lib.load_export_config(path))
+  _, (params, rest), (p_sh, r_sh) = param_shardings(src_cfg, mesh)
+  src = ckpt_lib.restore_params(path, ckpt_lib.abstract_like({"params": params, "rest": rest},
+                                                             {"params": p_sh, "rest": r_sh}))
+  src_map = {**dict(nnx.to_flat_state(src["params"])), **dict(nnx.to_flat_state(src["rest"]))}
+  copied, fresh = 0, []
+
+  def take(tree):
+    nonlocal copied
+    out = []
+    for key, var in nnx.to_flat_state(tree):
+      if key in src_map:
+        new = src_map[key].get_value()
+        if new.shape != var.get_value().shape:
+          raise ValueError(f"init_from: {'/'.join(map(str, key))} has shape {new.shape} in {path}, "
+                           f"{var.get_value().shape} in this model")
+        out.append((key, var.replace(new.astype(var.get_value().dtype))))
+        copied += 1
+      else:
+        fresh.append("/".join(map(str, key)))
+        out.append((key, var))
+    return nnx.from_flat_state(out)
+
+  state = state.replace(params=take(state.params), rest=take(state.rest))
+  log(f"initialised {copied} tensors from {path}; fresh: {fresh if len(fresh) < 12 else fresh[:12] + ['...']}")
+  return state
+
+
 # ======================================================================================================= data ==
 
 def parse_text_files(spec: str) -> dict[str, list[str]] | None:
@@ -248,6 +282,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     del state
     state = ckpt.restore(latest, abstract, data_iter)
     log(f"resumed from step {latest} in {workdir}")
+  elif config.get("init_from"):
+    state = init_from_export(state, config.init_from, mesh)
   start = int(jax.device_get(state.step))
 
   # ---- steps, compiled ahead of time -------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""Chunked prefill and token-by-token decoding with KV (+ MSA index-key) caches.
+
+One compiled prefill per chunk length and one compiled decode step serve every position: the caches are fixed
+size buffers and their fill level is a traced scalar, so positions never enter a shape.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3_jax.models.cache import LayerCache
+from m3_jax.models.transformer import TextModel
+
+
+def init_caches(model: TextModel, batch: int, max_len: int, dtype=None) -> list[LayerCache]:
+  cfg = model.cfg
+  dtype = jnp.dtype(cfg.dtype) if dtype is None else dtype
+  return [LayerCache.empty(batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                           index_dim=cfg.index_head_dim if lt == "minimax_m3_sparse" else None, dtype=dtype)
+          for lt in cfg.layer_types]
+
+
+def make_step(model: TextModel) -> Callable:
+  """Returns jitted `step(state, ids [B, T], caches) -> (logits [B, T, V], caches)` for prefill or decode."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def step(state, ids, caches):
+    m = nnx.merge(graphdef, state)
+    logits, aux = m(ids, caches=caches)
+    return logits, aux["caches"]
+
+  return lambda ids, caches: step(state, ids, caches)
+
+
+def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float) -> jax.Array:
+  """logits: [B, V] -> token ids [B]. temperature 0 is greedy; top_p keeps the smallest nucleus above p."""
+  if temperature <= 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+    keep_sorted = cum - jax.nn.softmax(sorted_logits, axis=-1) < top_p  # always keeps the top token
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(model: TextModel, prompt: jax.Array, *, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, max_len: int | None = None,
+             on_token: Callable[[jax.Array], None] | None = None) -> jax.Array:
+  """prompt: [B, T0] int32 -> generated ids [B, max_new_tokens] (stops early once every row produced eos_id).
+  `on_token` is called with each new [B] token array (streaming)."""
+  b, t0 = prompt.shape
+  max_len = max_len or t0 + max_new_tokens
+  if t0 + max_new_tokens > max_len:
+    raise ValueError(f"prompt length {t0} + max_new_tokens {max_new_tokens} exceeds max_len {max_len}")
+  step = make_step(model)
+  caches = init_caches(model, b, max_len)
+  logits, caches = step(prompt, caches)
+  key = jax.random.key(seed)
+  out, done = [], jnp.zeros((b,), bool)
+  last = logits[:, -1]
+  for i in range(max_new_tokens):
+    key, sub = jax.random.split(key)
+    tok = sample(last, sub, temperature=temperature, top_p=top_p)
+    out.append(tok)
+    if on_token is not None:
+      on_token(tok)
+    if eos_id is not None:
+      done = done | (tok == eos_id)
+      if bool(jnp.all(done)):
+        break
+    if i + 1 < max_new_tokens:
+      logits, caches = step(tok[:, None], caches)
+      last = logits[:, -1]
+  return jnp.stack(out, axis=1)
