@@ -1,0 +1,134 @@
+"""MSA inside the model: dense equivalence, where gradients go, the warmup switch, dense -> MSA conversion."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from m3_jax.models.config import TextConfig
+from m3_jax.models.transformer import TextModel
+from m3_jax.train.steps import cross_entropy
+from tests.test_model import randomize
+
+
+def msa_cfg(**kw):
+  base = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, rotary_dim=4, rope_theta=10000.0, dense_intermediate_size=48,
+              layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "dense"],
+              index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2, index_local_blocks=1)
+  base.update(kw)
+  return TextConfig(**base)
+
+
+def ids(t=24, b=2, seed=0, vocab=101):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=(b, t)))
+
+
+def test_msa_equals_dense_when_everything_is_selected():
+  """topk * block_size >= S: the MSA layer is exactly dense GQA attention (outputs and gradients)."""
+  cfg = msa_cfg(index_topk_blocks=6)  # 6 * 4 = 24 = S
+  model = randomize(TextModel(cfg, rngs=nnx.Rngs(0)))
+  dense_cfg = cfg.replace(layer_types=("full_attention", "full_attention"))
+  dense = TextModel(dense_cfg, rngs=nnx.Rngs(0))
+  shared = {k: v for k, v in nnx.to_flat_state(nnx.state(model)) if "indexer" not in k}
+  nnx.update(dense, nnx.from_flat_state(list(shared.items())))
+  x = ids()
+
+  def loss(m):
+    logits, _ = m(x)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+
+  (la, lg_a), ga = nnx.value_and_grad(loss, has_aux=True)(model)
+  (lb, lg_b), gb = nnx.value_and_grad(loss, has_aux=True)(dense)
+  np.testing.assert_allclose(np.asarray(lg_a), np.asarray(lg_b), atol=1e-5)
+  flat_a, flat_b = dict(nnx.to_flat_state(ga)), dict(nnx.to_flat_state(gb))
+  for k, v in flat_b.items():
+    np.testing.assert_allclose(np.asarray(flat_a[k].get_value()), np.asarray(v.get_value()), atol=1e-6)
+
+
+def _grads(model, x, which, step=10**6):
+  """Gradients of the LM loss or of the summed KL w.r.t. every parameter."""
+  targets = jnp.roll(x, -1, axis=1)
+  mask = jnp.ones(x.shape, jnp.float32)
+
+  def f(m):
+    logits, aux = m(x, step_state={"step": jnp.int32(step)})
+    return cross_entropy(logits, targets, mask)[0] if which == "lm" else aux["kl_loss"]
+
+  return dict(nnx.to_flat_state(nnx.grad(f)(model)))
+
+
+def _norm(g):
+  return float(jnp.sqrt(sum(jnp.sum(v.get_value() ** 2) for v in g)))
+
+
+@pytest.mark.parametrize("step", [0, 10**6])  # warmup (dense KL) and sparse
+def test_kl_trains_only_the_indexer_and_lm_loss_never_reaches_it(step):
+  cfg = msa_cfg(warmup_steps=5)
+  model = randomize(TextModel(cfg, rngs=nnx.Rngs(1)))
+  x = ids(seed=1)
+  kl = _grads(model, x, "kl", step)
+  lm = _grads(model, x, "lm", step)
+  idx = [k for k in kl if "indexer" in k]
+  assert idx
+  assert _norm([kl[k] for k in idx]) > 1e-4
+  assert _norm([v for k, v in kl.items() if "indexer" not in k]) == 0.0
+  assert _norm([lm[k] for k in idx]) == 0.0
+  assert _norm([v for k, v in lm.items() if "indexer" not in k]) > 1e-4
+
+
+def test_without_detach_the_kl_reaches_the_backbone():
+  """The ablation switch: the detach is what keeps the KL off the backbone (so the test above can fail)."""
+  cfg = msa_cfg(detach_index_input=False)
+  model = randomize(TextModel(cfg, rngs=nnx.Rngs(1)))
+  kl = _grads(model, ids(seed=1), "kl")
+  assert _norm([v for k, v in kl.items() if "indexer" not in k and "embed" in "/".join(map(str, k))]) > 1e-6
+
+
+def test_warmup_switch_is_dense_then_sparse_without_recompiling():
+  cfg = msa_cfg(warmup_steps=3)
+  model = randomize(TextModel(cfg, rngs=nnx.Rngs(2)))
+  x = ids(seed=2)
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state, step):
+    logits, aux = nnx.merge(graphdef, state)(x, step_state={"step": step})
+    return logits, aux["kl_loss"]
+
+  dense_model = TextModel(cfg.replace(layer_types=("full_attention", "full_attention")), rngs=nnx.Rngs(0))
+  nnx.update(dense_model, nnx.from_flat_state([(k, v) for k, v in nnx.to_flat_state(state) if "indexer" not in k]))
+  dense_logits, _ = dense_model(x)
+  sparse_logits, _ = model(x)  # no step: always sparse
+  warm, kl_warm = run(state, jnp.int32(0))
+  late, kl_late = run(state, jnp.int32(3))
+  assert run._cache_size() == 1
+  np.testing.assert_allclose(np.asarray(warm), np.asarray(dense_logits), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(late), np.asarray(sparse_logits), atol=1e-5)
+  assert not np.allclose(np.asarray(warm), np.asarray(late), atol=1e-3)  # sparsity is active at S=24, 2x4 keys
+  assert float(kl_warm) != pytest.approx(float(kl_late))
+
+
+def test_dense_to_msa_conversion_copies_the_dense_weights(tmp_path):
+  from m3_jax.train import checkpoint as ckpt_lib
+  from m3_jax.train import sharding, trainer
+  from m3_jax.train.optimizer import OptimConfig, make_optimizer
+  dense_cfg = msa_cfg(layer_types=["full_attention", "full_attention"])
+  dense = randomize(TextModel(dense_cfg, rngs=nnx.Rngs(3)))
+  _, p, r = nnx.split(dense, nnx.Param, ...)
+  path = ckpt_lib.export_params(str(tmp_path / "dense"), {"params": p, "rest": r}, dense_cfg.to_dict())
+  mesh = sharding.make_mesh({"data": 1})
+  tx, _ = make_optimizer(OptimConfig(total_steps=10, warmup_steps=1))
+  msa = msa_cfg()
+  _, state, _ = trainer.init_state(msa, tx, mesh, seed=0)
+  fresh_indexer = {k: v.get_value() for k, v in nnx.to_flat_state(state.params) if "indexer" in k}
+  state = trainer.init_from_export(state, path, mesh)
+  dense_flat = dict(nnx.to_flat_state(p))
+  for k, v in nnx.to_flat_state(state.params):
+    if "indexer" in k:
+      np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(fresh_indexer[k]))
+    else:
+      np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(dense_flat[k].get_value()))
