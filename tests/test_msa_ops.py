@@ -511,8 +511,6 @@ class _MsaOpsTestBase:
   def test_traced_q_offset_equals_int_offset(self, T, segmented):
     # One jitted function serves every offset; at each offset it must equal the oracle, with the unwritten (future)
     # tail of the buffer invisible, and at two of them also the static-int result (each int offset compiles anew).
-    if self.IMPL == "xla_chunked" and T < 2:
-      pytest.skip("one query is one chunk: the same program as TestXla")
     chunk = 3  # xla_chunked: T=4 -> two chunks of 3 rows, the last one padded, each at a traced start
     seg = {"segment_ids": np.array([[0] * 10 + [1] * 14, [2] * 3 + [5] * 21], np.int32)} if segmented else {}
     segment_ids = seg.get("segment_ids")

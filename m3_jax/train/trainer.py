@@ -305,6 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   progress = Progress(steps, start)
   stopper = _Stop()
   final_eval: dict = {}
+  first_eval: dict = {}
   t_last, tok_last, last_saved = time.time(), 0.0, latest
   step = start
 
@@ -315,6 +316,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   try:
     with jax.set_mesh(mesh):
+      if start == 0 and eval_every > 0:  # the starting point, so a run shows how far held-out loss fell
+        ev = evaluate_sets(eval_step, state.params, state.rest, evals, mesh)
+        writer.write(0, ev)
+        first_eval = ev
+        progress.message("step 0: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in ev.items()
+                                                if k.endswith("/loss") and k.count("/") == 2))
+        t_last = time.time()
       while step < steps:
         state, metrics = compiled(state, batch)
         step += 1
@@ -342,8 +350,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         if eval_every > 0 and (step % eval_every == 0 or step == steps):
           ev = evaluate_sets(eval_step, state.params, state.rest, evals, mesh)
           writer.write(step, ev)
-          progress.message(f"step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}"
-                                                           for k, v in ev.items() if k.endswith("/loss")))
+          progress.message(f"step {step}: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in ev.items()
+                                                           if k.endswith("/loss") and k.count("/") == 2))
           final_eval = ev
           t_last = time.time()
         if stopper.requested:
@@ -365,6 +373,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.close()
   if not final_eval and steps <= start:
     final_eval = evaluate_sets(eval_step, state.params, state.rest, evals, mesh)
+  if first_eval and final_eval:
+    log(f"held-out mean loss over {len(evals)} sources: {first_eval['eval/mean_loss']:.3f} (step 0) -> "
+        f"{final_eval['eval/mean_loss']:.3f} (step {step})")
   log(f"done: {workdir} holds checkpoints/ (step {last_saved}), metrics.jsonl and tb/")
   return final_eval
 
