@@ -13,7 +13,8 @@ from m3_jax.train.defaults import base_config
 
 def get_config(arg=None):
   a = parse_arg(arg, moe=False, steps=300, batch_size=8, seq_len=4096, layers=16, attention="cudnn",
-                remat=False, document_mask=True)
+                remat=False, document_mask=True,
+                moe_impl="capacity")
   c = base_config()
   m = c.model
   m.vocab_size = 8192
@@ -35,6 +36,8 @@ def get_config(arg=None):
   m.dtype = "bfloat16"
   m.remat = a.remat
   m.document_mask = a.document_mask
+  # ragged_dot's backward runs out of memory on the GPU at this size (BENCHMARKS.md); capacity buffers do not.
+  m.moe_impl = a.moe_impl
 
   c.train.steps = a.steps
   c.train.batch_size = a.batch_size

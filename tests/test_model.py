@@ -1,5 +1,7 @@
 """The text model against an independent float64 numpy implementation of MiniMax-M3's text tower."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -194,3 +196,36 @@ def test_hf_config_names_round_trip():
   assert cfg.layer_types == ("full_attention", "minimax_m3_sparse")
   assert cfg.mlp_layer_types == ("dense", "sparse")
   assert TextConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_capacity_moe_equals_dropless_with_room_and_drops_overflow():
+  from m3_jax.models.moe import MoE, MoEDims
+  dims = MoEDims(d_model=16, num_experts=4, top_k=2, intermediate=8, shared_intermediate=8,
+                 routed_scaling_factor=2.0, alpha=1.702, limit=3.0, capacity_factor=4.0)  # C = N*k: no drops
+  ragged = randomize(MoE(dims, impl="ragged", rngs=nnx.Rngs(0)), seed=3)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 16)), jnp.float32)
+  want, _ = ragged(x)
+  roomy = MoE(dims, impl="capacity", rngs=nnx.Rngs(0))
+  nnx.update(roomy, nnx.state(ragged))
+  got, _ = roomy(x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  # capacity 1 per expert: only the first assignment of each expert survives; everything else is shared-only
+  tight = MoE(dataclasses.replace(dims, capacity_factor=4 / 20), impl="capacity", rngs=nnx.Rngs(0))
+  nnx.update(tight, nnx.state(ragged))
+  got, _ = tight(x)
+  from m3_jax.models.moe import route
+  xf = np.asarray(x.reshape(10, 16))
+  w, idx, _ = route(jnp.asarray(xf) @ ragged.router[...], ragged.e_score_correction_bias[...], 2, 2.0)
+  idx, w = np.asarray(idx), np.asarray(w)
+  expect = np.array(ragged.shared(jnp.asarray(xf)))
+  seen = set()
+  for a in range(20):  # assignments in token-major order, as the capacity path ranks them
+    t, j = divmod(a, 2)
+    e = idx[t, j]
+    if e in seen:
+      continue
+    seen.add(e)
+    gu = np.einsum("d,dgi->gi", xf[t], np.asarray(ragged.gate_up[...])[e])
+    g, u = np.minimum(gu[0], 3.0), np.clip(gu[1], -3.0, 3.0)
+    expect[t] += w[t, j] * ((u + 1) * g / (1 + np.exp(-1.702 * g))) @ np.asarray(ragged.down[...])[e]
+  np.testing.assert_allclose(np.asarray(got).reshape(10, 16), expect, atol=1e-5)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 LAYER_TYPES = ("full_attention", "minimax_m3_sparse")
 MLP_LAYER_TYPES = ("dense", "sparse")
 ATTENTION_IMPLS = ("xla", "cudnn")
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("ragged", "dense", "capacity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,9 @@ class TextConfig:
   # attends causally across the whole row, which lets cuDNN skip the upper triangle instead of reading a mask.
   document_mask: bool = True
   moe_impl: str = "ragged"
+  # moe_impl="capacity": each expert takes at most capacity_factor * N * k / E tokens per batch (GShard-style
+  # buffers that shard over `expert`); assignments past that are dropped. ragged and dense never drop.
+  capacity_factor: float = 1.25
   router_aux_loss_coef: float = 0.001
   dtype: str = "float32"  # activation / compute dtype; parameters are kept in `param_dtype`
   param_dtype: str = "float32"
@@ -106,6 +109,8 @@ class TextConfig:
       bad(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     if self.moe_impl not in MOE_IMPLS:
       bad(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
+    if self.capacity_factor <= 0:
+      bad(f"capacity_factor={self.capacity_factor} must be positive")
     if self.tie_word_embeddings:
       bad("tie_word_embeddings=True is not supported: MiniMax-M3 has untied embeddings")
 

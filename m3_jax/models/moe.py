@@ -3,7 +3,9 @@
 
 Two expert implementations compute the same function: `ragged` (tokens sorted by expert, grouped matmuls with
 `jax.lax.ragged_dot`: dropless, no capacity factor, FLOPs of the chosen experts only) and `dense` (every expert on
-every token, weighted by the sparse combine matrix: simple, used as a reference in tests).
+every token, weighted by the sparse combine matrix: simple, used as a reference in tests). A third, `capacity`,
+drops assignments past a per-expert capacity: fixed [E, C, d] buffers, plain batched matmuls that shard over
+`expert`, and a bounded memory footprint on GPUs, where ragged_dot's backward materialises per-group temporaries.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class MoEDims:
   routed_scaling_factor: float
   alpha: float
   limit: float
+  capacity_factor: float = 1.25
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float):
@@ -97,6 +100,26 @@ class MoE(nnx.Module):
                    preferred_element_type=jnp.float32)
     return jnp.einsum("ned,ne->nd", y, combine)
 
+  def _experts_capacity(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
+    """x: [N, d]; w, idx: [N, k] -> [N, d]. Earlier tokens win a full expert's slots."""
+    n, k = idx.shape
+    e, dm = self.dims.num_experts, self.dims.d_model
+    cap = max(1, int(-(-self.dims.capacity_factor * n * k // e)))
+    flat = idx.reshape(-1)  # [N*k]
+    token = jnp.arange(n * k) // k
+    onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)  # [N*k, E]
+    slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # rank of the assignment in its expert
+    keep = slot < cap
+    slot = jnp.where(keep, slot, cap)  # out of range: dropped by mode="drop" below
+    buf = jnp.zeros((e, cap, dm), x.dtype).at[flat, slot].set(x[token], mode="drop")  # [E, C, d]
+    buf = constrain(buf, ("activation_exp", None, "activation_embed"))
+    gu = jnp.einsum("ecd,edgi->ecgi", buf, self.gate_up[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    h = swiglu_oai(gu[:, :, 0], gu[:, :, 1], alpha=self.dims.alpha, limit=self.dims.limit).astype(self.dtype)
+    y = jnp.einsum("eci,eid->ecd", h, self.down[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    got = y.at[flat, slot].get(mode="fill", fill_value=0.0)  # [N*k, d]; dropped -> 0
+    got = got * (w.reshape(-1) * keep)[:, None]
+    return jnp.zeros((n, dm), jnp.float32).at[token].add(got)
+
   def __call__(self, x: jax.Array, mask: jax.Array | None = None):
     """x: [B, T, d]; mask: [B, T] real-token mask for the balance statistics. Returns (y [B, T, d], aux)."""
     b, t, dm = x.shape
@@ -104,7 +127,8 @@ class MoE(nnx.Module):
     logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...])
     w, idx, scores = route(logits, self.e_score_correction_bias[...], self.dims.top_k,
                            self.dims.routed_scaling_factor)
-    experts = self._experts_ragged if self.impl == "ragged" else self._experts_dense
+    experts = {"ragged": self._experts_ragged, "dense": self._experts_dense,
+               "capacity": self._experts_capacity}[self.impl]
     y = experts(xf, w, idx).astype(x.dtype).reshape(b, t, dm)
     y = constrain(y, ("activation_batch", "activation_length", "activation_embed"))
     y = y + self.shared(x)

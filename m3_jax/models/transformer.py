@@ -57,7 +57,8 @@ class DecoderLayer(nnx.Module):
     else:
       dims = MoEDims(d_model=cfg.hidden_size, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
                      intermediate=cfg.intermediate_size, shared_intermediate=cfg.shared_intermediate_size,
-                     routed_scaling_factor=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+                     routed_scaling_factor=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+                     capacity_factor=cfg.capacity_factor)
       self.mlp = MoE(dims, impl=cfg.moe_impl, rngs=rngs, std=std, param_dtype=pd, dtype=dt)
 
   def __call__(self, x, positions, segment_ids, mask, *, cache=None, capture=False, step_state=None):
