@@ -126,3 +126,19 @@ def test_clear_errors_before_compilation(data_dir, tmp_path):
   trainer.train_and_evaluate(small_config(data_dir, **{"train.steps": 1}), work)
   with pytest.raises(ValueError, match="different model.*hidden_size: 32 -> 64"):
     trainer.train_and_evaluate(small_config(data_dir, **{"train.steps": 2, "model.hidden_size": 64}), work)
+
+
+def test_aot_mode_reports_bytes_per_device_on_a_fake_mesh(tmp_path):
+  """configs/m3.py (the real widths; 2 of the 60 layers to keep CI short) on 8 fake devices."""
+  work = str(tmp_path / "aot")
+  p = run_main(["--config=configs/m3.py:dense_attention=True,layers=2,devices=8,fsdp=2,tensor=2,expert=2",
+                f"--workdir={work}", "--mode=aot"])
+  out, _ = p.communicate(timeout=600)
+  assert p.returncode == 0, out
+  with open(os.path.join(work, "aot_report.json")) as f:
+    rep = json.load(f)
+  assert rep["devices"] == 8 and rep["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}
+  # every M3 weight divides over its axes here, so each device holds between 1/8 and 1/2 of the f32 params
+  assert rep["param_bytes_global"] == 4 * rep["params_total"]
+  assert rep["param_bytes_global"] / 8 <= rep["param_bytes_per_device"] <= rep["param_bytes_global"] / 2
+  assert rep["compiled_temp_bytes_per_device"] > 0

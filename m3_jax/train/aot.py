@@ -10,13 +10,11 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
-from flax import nnx
 
 from m3_jax.models.config import param_count
-from m3_jax.models.transformer import TextModel
 from m3_jax.train import config_lib, sharding
 from m3_jax.train.optimizer import make_optimizer
-from m3_jax.train.steps import TrainState, make_train_step
+from m3_jax.train.steps import make_train_step
 
 
 def fake_devices(n: int) -> None:
@@ -32,7 +30,8 @@ def _gib(b: float) -> str:
 
 
 def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  from m3_jax.train.trainer import check_fits, param_shardings, state_shardings_for  # noqa: PLC0415
+  from m3_jax.train.trainer import (check_fits, make_init_fn, param_shardings,  # noqa: PLC0415
+                                    state_shardings_for)
   n = int(config.get("aot_devices", 0) or jax.device_count())
   if jax.device_count() < n:
     raise RuntimeError(f"aot: {n} devices requested but JAX already started with {jax.device_count()}; "
@@ -43,12 +42,7 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   tx, schedule = make_optimizer(config_lib.optim_config(config))
   graphdef, _, (p_sh, r_sh) = param_shardings(cfg, mesh)
 
-  def init(key):
-    model = TextModel(cfg, rngs=nnx.Rngs(params=key))
-    _, p, r = nnx.split(model, nnx.Param, ...)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=p, rest=r, opt_state=tx.init(p),
-                      rng=jax.random.fold_in(key, 1))
-
+  init = make_init_fn(cfg, tx)
   abstract = jax.eval_shape(init, jax.random.key(0))
   state_sh = state_shardings_for(abstract, p_sh, r_sh, mesh)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)

@@ -47,9 +47,8 @@ def param_shardings(cfg: TextConfig, mesh) -> tuple[Any, Any, Any]:
   return graphdef, (params, rest), (p_sh, r_sh)
 
 
-def init_state(cfg: TextConfig, tx, mesh, seed: int) -> tuple[Any, TrainState, Any]:
-  """Creates the train state already sharded: jit(init, out_shardings=...) so no host ever holds it whole."""
-  graphdef, (params, rest), (p_sh, r_sh) = param_shardings(cfg, mesh)
+def make_init_fn(cfg: TextConfig, tx):
+  """key -> a fresh TrainState; jitted with out_shardings it builds the state directly on the mesh."""
 
   def init(key):
     model = TextModel(cfg, rngs=nnx.Rngs(params=key))
@@ -57,6 +56,14 @@ def init_state(cfg: TextConfig, tx, mesh, seed: int) -> tuple[Any, TrainState, A
     return TrainState(step=jnp.zeros((), jnp.int32), params=p, rest=r, opt_state=tx.init(p),
                       rng=jax.random.fold_in(key, 1))
 
+  return init
+
+
+def init_state(cfg: TextConfig, tx, mesh, seed: int) -> tuple[Any, TrainState, Any]:
+  """Creates the train state already sharded: jit(init, out_shardings=...) so no host ever holds it whole."""
+  graphdef, (params, rest), (p_sh, r_sh) = param_shardings(cfg, mesh)
+
+  init = make_init_fn(cfg, tx)
   abstract = jax.eval_shape(init, jax.random.key(seed))
   state_sh = state_shardings_for(abstract, p_sh, r_sh, mesh)
   with jax.set_mesh(mesh):
@@ -407,12 +414,7 @@ def load_params(config: ml_collections.ConfigDict, workdir: str, mesh, checkpoin
   check_compatible(ckpt.saved_config(step), config_lib.to_jsonable(config), workdir)
   graphdef, (params, rest), (p_sh, r_sh) = param_shardings(cfg, mesh)
 
-  def init(key):
-    model = TextModel(cfg, rngs=nnx.Rngs(params=key))
-    _, p, r = nnx.split(model, nnx.Param, ...)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=p, rest=r, opt_state=tx.init(p),
-                      rng=jax.random.fold_in(key, 1))
-
+  init = make_init_fn(cfg, tx)
   abstract = jax.eval_shape(init, jax.random.key(0))
   state_sh = state_shardings_for(abstract, p_sh, r_sh, mesh)
   state = ckpt.restore(step, ckpt_lib.abstract_like(abstract, state_sh))
