@@ -94,3 +94,25 @@ def test_msa_model_matches_hf(name):
     pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
     y, _ = layer.self_attn(x, pos)
     np.testing.assert_allclose(np.asarray(y), r[f"layer{i}.attn.output"], atol=1e-5, rtol=0)
+
+
+def test_sharded_safetensors_index_loads_the_same(tmp_path):
+  import json
+  import shutil
+  from m3_jax.interop import safetensors_io
+  src = safetensors_io.Checkpoint(os.path.join(FIX, "text_dense"))
+  names = sorted(src.names)
+  half = len(names) // 2
+  d = tmp_path / "sharded"
+  d.mkdir()
+  shutil.copy(os.path.join(FIX, "text_dense", "config.json"), d / "config.json")
+  weight_map = {}
+  for i, part in enumerate((names[:half], names[half:])):
+    fn = f"model-{i + 1:05d}-of-00002.safetensors"
+    safetensors_io.write(str(d / fn), {n: src.get(n) for n in part})
+    weight_map.update({n: fn for n in part})
+  (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+  model, _ = hf.load(str(d))
+  r = ref("text_dense")
+  logits, _ = model(jnp.asarray(r["input_ids"]))
+  np.testing.assert_allclose(np.asarray(logits), r["logits"], atol=1e-4, rtol=0)
