@@ -142,3 +142,23 @@ def test_aot_mode_reports_bytes_per_device_on_a_fake_mesh(tmp_path):
   assert rep["param_bytes_global"] == 4 * rep["params_total"]
   assert rep["param_bytes_global"] / 8 <= rep["param_bytes_per_device"] <= rep["param_bytes_global"] / 2
   assert rep["compiled_temp_bytes_per_device"] > 0
+
+
+def test_generate_cli_streams_from_an_export(data_dir, tmp_path):
+  cfg = small_config(data_dir, **{"train.steps": 2})
+  work = str(tmp_path / "g")
+  trainer.train_and_evaluate(cfg, work)
+  path = trainer.export(cfg, work)
+  p = subprocess.run([sys.executable, "-m", "m3_jax.generate", f"--checkpoint={path}", "--prompt=The licence",
+                      "--max_new_tokens=8", f"--tokenizer={data_dir}/tokenizer.json"],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert p.stdout.startswith("The licence") and len(p.stdout.strip()) > len("The licence")
+
+
+def test_resume_may_change_switches_that_keep_parameter_shapes(data_dir, tmp_path):
+  work = str(tmp_path / "switch")
+  trainer.train_and_evaluate(small_config(data_dir, **{"train.steps": 1}), work)
+  trainer.train_and_evaluate(small_config(data_dir, **{"train.steps": 2, "model.remat": True,
+                                                       "model.moe_impl": "dense"}), work)
+  assert max(losses(work)) == 2

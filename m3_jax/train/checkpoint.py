@@ -102,6 +102,7 @@ def load_export_config(path: str) -> dict:
 
 def restore_params(path: str, abstract_params: Any) -> Any:
   """Restores exported params onto `abstract_params`' shardings, casting to its dtypes (an export may be bf16)."""
+  path = os.path.abspath(path)  # orbax refuses relative paths
   ckptr = ocp.StandardCheckpointer()
   meta = ckptr.metadata(os.path.join(path, "params"))
   stored = getattr(meta, "item_metadata", meta)

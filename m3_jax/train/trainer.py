@@ -196,15 +196,27 @@ def check_vocab(cfg: TextConfig, manifest) -> None:
     raise ValueError(f"the tokenizer has {vocab} tokens but model.vocab_size={cfg.vocab_size}")
 
 
+def _param_shapes(model: dict) -> dict[str, tuple]:
+  import dataclasses  # noqa: PLC0415
+  known = {f.name for f in dataclasses.fields(TextConfig)}
+  cfg = TextConfig.from_dict({k: v for k, v in model.items() if k in known})
+  _, params, rest = abstract_model(cfg)
+  return {"/".join(map(str, k)): tuple(v.get_value().shape)
+          for tree in (params, rest) for k, v in nnx.to_flat_state(tree)}
+
+
 def check_compatible(saved: dict | None, current: dict, workdir: str) -> None:
+  """A checkpoint restores into the current model iff every parameter has the same path and shape; switches that
+  do not change parameters (attention_impl, remat, dtype, MSA warmup, ...) may differ."""
   if not saved:
     return
-  old = saved.get("model", {})
-  diff = sorted(k for k in set(old) | set(current["model"]) if old.get(k) != current["model"].get(k))
-  if diff:
-    details = ", ".join(f"{k}: {old.get(k)!r} -> {current['model'].get(k)!r}" for k in diff[:8])
-    raise ValueError(f"workdir {workdir} holds a checkpoint of a different model ({details}); "
-                     "use a fresh --workdir or the same model config")
+  old, new = saved.get("model", {}), current["model"]
+  if _param_shapes(old) == _param_shapes(new):
+    return
+  diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+  raise ValueError(f"workdir {workdir} holds a checkpoint of a different model ({details}); "
+                   "use a fresh --workdir or the same model config")
 
 
 # ===================================================================================================== train ==

@@ -1,0 +1,86 @@
+r"""Generate text from a checkpoint, streaming tokens as they come (KV + MSA index-key caches).
+
+  python -m m3_jax.generate --checkpoint=workdirs/tiny_lm/export --prompt="To be, or not to be"
+  python -m m3_jax.generate --checkpoint=/path/to/hf_minimax_m3 --prompt="..." --max_new_tokens=64 \
+      --temperature=0.8 --top_p=0.95 --seed=1
+
+--checkpoint is an export directory (`--mode=export`: model_config.json + params/) or an HF MiniMax-M3 directory
+(config.json + safetensors). The tokenizer is the checkpoint directory's tokenizer.json when present, else
+--tokenizer (default: data/tokenizer.json, the one `make run` trains).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+
+_CKPT = flags.DEFINE_string("checkpoint", None, "export directory or HF checkpoint directory")
+_PROMPT = flags.DEFINE_string("prompt", "", "the prompt text")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate")
+_TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass")
+_SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "data/tokenizer.json", "tokenizer.json when the checkpoint has none")
+flags.mark_flag_as_required("checkpoint")
+
+
+def load_model(path: str):
+  """(model, TextConfig) from an export or an HF directory."""
+  from flax import nnx  # noqa: PLC0415
+  from m3_jax.interop import hf  # noqa: PLC0415
+  from m3_jax.models.config import TextConfig  # noqa: PLC0415
+  from m3_jax.models.transformer import TextModel  # noqa: PLC0415
+  from m3_jax.train import checkpoint as ckpt_lib  # noqa: PLC0415
+  if ckpt_lib.is_export(path):
+    cfg = TextConfig.from_dict(ckpt_lib.load_export_config(path))
+    abstract = nnx.eval_shape(lambda: TextModel(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    both = ckpt_lib.restore_params(path, {"params": params, "rest": rest})
+    return nnx.merge(graphdef, both["params"], both["rest"]), cfg
+  if os.path.exists(os.path.join(path, "config.json")):
+    return hf.load(path)
+  raise FileNotFoundError(f"--checkpoint={path}: neither an export (model_config.json + params/) nor an HF "
+                          "directory (config.json + safetensors)")
+
+
+def load_tokenizer(checkpoint: str, fallback: str):
+  from m3_jax.data.tokenizer import Tokenizer  # noqa: PLC0415
+  for path in (os.path.join(checkpoint, "tokenizer.json"), fallback):
+    if os.path.exists(path):
+      return Tokenizer.from_file(path)
+  raise FileNotFoundError(f"no tokenizer: {checkpoint}/tokenizer.json and --tokenizer={fallback} do not exist")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  import jax.numpy as jnp  # noqa: PLC0415
+  from m3_jax.models import decode  # noqa: PLC0415
+  model, cfg = load_model(_CKPT.value)
+  tok = load_tokenizer(_CKPT.value, _TOKENIZER.value)
+  ids = tok.encode(_PROMPT.value) or [tok.eot_id]
+  if max(ids) >= cfg.vocab_size:
+    raise ValueError(f"the tokenizer produced id {max(ids)} but the model's vocab_size is {cfg.vocab_size}")
+  sys.stdout.write(_PROMPT.value)
+  sys.stdout.flush()
+  new: list[int] = []
+  shown = ""
+
+  def stream(token):
+    nonlocal shown
+    new.append(int(token[0]))
+    text = tok.decode(new, skip_special=True)
+    sys.stdout.write(text[len(shown):])  # decode the whole tail: a byte-level token may finish a character
+    sys.stdout.flush()
+    shown = text
+
+  decode.generate(model, jnp.asarray([ids], jnp.int32), max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value,
+                  top_p=_TOP_P.value, seed=_SEED.value, eos_id=tok.eot_id, on_token=stream)
+  sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
