@@ -28,7 +28,8 @@ venv: $(VENV)/.installed
 
 run: venv
 	$(PY) -m m3_jax.main --config=$(CONFIG) --workdir=$(WORKDIR)
-	@echo "results: $(WORKDIR)/metrics.jsonl, $(WORKDIR)/checkpoints/, TensorBoard events in $(WORKDIR)/tb/"
+	$(PY) experiments/plot_run.py $(WORKDIR)
+	@echo "results: $(WORKDIR)/metrics.jsonl, $(WORKDIR)/plots.png, $(WORKDIR)/checkpoints/, TensorBoard events in $(WORKDIR)/tb/"
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -20,6 +20,7 @@ setup(
         "absl-py",
         "tokenizers>=0.22,<0.24",
         "tensorboardX>=2.6",
+        "matplotlib>=3.8",
     ],
     extras_require={"test": ["pytest"]},
 )

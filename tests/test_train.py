@@ -162,3 +162,17 @@ def test_resume_may_change_switches_that_keep_parameter_shapes(data_dir, tmp_pat
   trainer.train_and_evaluate(small_config(data_dir, **{"train.steps": 2, "model.remat": True,
                                                        "model.moe_impl": "dense"}), work)
   assert max(losses(work)) == 2
+
+
+def test_plot_run_writes_a_png(tmp_path):
+  from m3_jax.train.metrics import MetricWriter
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import plot_run
+  w = MetricWriter(str(tmp_path), tensorboard=False)
+  for s in range(1, 6):
+    w.write(s, {"loss": 5.0 - 0.1 * s, "lr": 1e-3, "grad_norm": 1.0, "kl_loss": 0.5 / s,
+                "msa/layer1/mass_recall": 0.6, "msa/layer1/random_mass_recall": 0.4})
+  w.write(5, {"eval/text/loss": 4.0})
+  out = plot_run.plot(str(tmp_path))
+  with open(out, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
