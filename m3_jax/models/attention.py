@@ -36,13 +36,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
+  # Decoding passes a traced q_offset over a fixed-size cache: that path stays on XLA (cuDNN's causal mode assumes
+  # the queries are the last T of S keys).
+  use_cudnn = impl == "cudnn" and not return_probs and q_offset is None
   q_offset = s - t if q_offset is None else q_offset
   kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
   q_pos = q_offset + jnp.arange(t)
   k_pos = jnp.arange(s)
-  if impl == "cudnn" and not return_probs:
-    if q_offset != s - t and segment_ids is None:
-      raise ValueError("cudnn attention needs bottom-right aligned queries (q_offset = S - T)")
+  if use_cudnn:
     mask = None
     if segment_ids is not None or t != s:
       mask = attention_mask(q_pos, k_pos, segment_ids, kv_segment_ids)
