@@ -176,3 +176,21 @@ def test_plot_run_writes_a_png(tmp_path):
   out = plot_run.plot(str(tmp_path))
   with open(out, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dense_to_msa_conversion_run(data_dir, tmp_path, capsys):
+  """MSA-CPT through the trainer: dense run -> export -> MSA run initialised from it (warmup, then sparse)."""
+  dense = small_config(data_dir, **{"train.steps": 2})
+  trainer.train_and_evaluate(dense, str(tmp_path / "dense"))
+  dense.export.dtype = ""
+  path = trainer.export(dense, str(tmp_path / "dense"))
+  msa = small_config(data_dir, **{"train.steps": 4, "init_from": path, "model.layer_types":
+                                  ("full_attention", "minimax_m3_sparse"), "model.index_n_heads": 2,
+                                  "model.index_head_dim": 8, "model.index_block_size": 8,
+                                  "model.index_topk_blocks": 2, "model.warmup_steps": 2})
+  trainer.train_and_evaluate(msa, str(tmp_path / "msa"))
+  out = capsys.readouterr().out
+  assert "initialised" in out and "indexer" in out
+  rows = [r for r in read_metrics(str(tmp_path / "msa")) if "kl_loss" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert all(r["kl_loss"] > 0 and "msa/layer1/mass_recall" in r for r in rows)
