@@ -29,9 +29,16 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if os.environ.get("M3_JAX_DISTRIBUTED"):  # multi-process launch: coordinator etc. from the environment
+  if os.environ.get("M3_JAX_DISTRIBUTED"):  # multi-process launch (README: "Multi-process launch")
     import jax  # noqa: PLC0415
-    jax.distributed.initialize()
+    kw = {}
+    if os.environ.get("M3_JAX_COORDINATOR"):  # explicit; otherwise JAX detects SLURM / Open MPI / TPU pods
+      kw = dict(coordinator_address=os.environ["M3_JAX_COORDINATOR"],
+                num_processes=int(os.environ["M3_JAX_NUM_PROCESSES"]),
+                process_id=int(os.environ["M3_JAX_PROCESS_ID"]))
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over loopback
+    jax.distributed.initialize(**kw)
   config, workdir = _CONFIG.value, _WORKDIR.value
   if _MODE.value == "aot":
     from m3_jax.train import aot  # noqa: PLC0415

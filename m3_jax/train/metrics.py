@@ -83,13 +83,15 @@ def read_metrics(workdir: str) -> list[dict]:
 class Progress:
   """A one-line progress bar on a terminal; plain periodic lines otherwise (CI logs, files)."""
 
-  def __init__(self, total: int, start: int = 0, *, stream=None):
-    self.total, self.start = total, start
+  def __init__(self, total: int, start: int = 0, *, stream=None, quiet: bool = False):
+    self.total, self.start, self.quiet = total, start, quiet
     self.stream = stream or sys.stdout
     self.tty = self.stream.isatty()
     self.t0 = time.time()
 
   def update(self, step: int, text: str) -> None:
+    if self.quiet:
+      return
     done = step - self.start
     left = self.total - step
     rate = done / max(time.time() - self.t0, 1e-9)
@@ -105,12 +107,14 @@ class Progress:
     self.stream.flush()
 
   def message(self, text: str) -> None:
+    if self.quiet:
+      return
     if self.tty:
       self.stream.write("\r\033[K")
     self.stream.write(text + "\n")
     self.stream.flush()
 
   def close(self) -> None:
-    if self.tty:
+    if self.tty and not self.quiet:
       self.stream.write("\n")
       self.stream.flush()

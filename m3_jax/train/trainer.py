@@ -321,7 +321,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   flops_tok = train_flops_per_token(cfg, int(config.train.seq_len))
   peak = peak_flops(jax.devices()[0])
   log_every, eval_every = int(config.train.log_every), int(config.train.eval_every)
-  progress = Progress(steps, start)
+  progress = Progress(steps, start, quiet=jax.process_index() != 0)
   stopper = _Stop()
   final_eval: dict = {}
   first_eval: dict = {}
