@@ -85,7 +85,9 @@ def test_msa_model_matches_hf(name):
     ours = _sorted_sets(cap["block_idx"][i])
     theirs = _sorted_sets(r[f"layer{i}.indexer.block_indices"])
     np.testing.assert_array_equal(ours, theirs)
-    assert (theirs[..., -1] >= 0).mean() < 1.0 or (theirs >= 0).sum(-1).min() < cfg.index_topk_blocks
+    # sparsity is active: most query rows see more blocks than they may keep
+    visible_blocks = np.arange(theirs.shape[2]) // cfg.index_block_size + 1
+    assert (visible_blocks > cfg.index_topk_blocks).mean() > 0.5
     if f"layer{i}.attn.input" not in r:
       continue
     # the attention layer alone, fed HF's input, matches HF's output to 1e-5

@@ -71,6 +71,12 @@ class AttentionDims:
   rope_theta: float
   eps: float
 
+  @classmethod
+  def from_config(cls, cfg) -> "AttentionDims":
+    """The attention fields of a TextConfig (shared by dense and MSA layers)."""
+    return cls(d_model=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+               head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps)
+
 
 class Attention(nnx.Module):
   """Dense GQA attention (`full_attention` layers). Weights are [in, heads, head_dim] for einsum and sharding;

@@ -115,9 +115,7 @@ class MSAAttention(Attention):
 
   def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs, std: float = 0.02, param_dtype=jnp.float32,
                dtype=jnp.float32):
-    dims = AttentionDims(d_model=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
-                         rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps)
+    dims = AttentionDims.from_config(cfg)
     super().__init__(dims, impl=cfg.attention_impl, rngs=rngs, std=std, param_dtype=param_dtype, dtype=dtype,
                      document_mask=cfg.document_mask)
     if cfg.index_n_heads != cfg.num_key_value_heads:

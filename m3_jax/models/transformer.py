@@ -24,12 +24,6 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
-def attention_dims(cfg: TextConfig) -> AttentionDims:
-  return AttentionDims(d_model=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                       num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
-                       rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps)
-
-
 def make_attention(cfg: TextConfig, layer_type: str, *, rngs: nnx.Rngs, **kw) -> nnx.Module:
   if layer_type == "minimax_m3_sparse":
     try:
@@ -39,7 +33,7 @@ def make_attention(cfg: TextConfig, layer_type: str, *, rngs: nnx.Rngs, **kw) ->
           "layer_types contains 'minimax_m3_sparse' but MSA layers are not available in this build "
           f"({e}); use 'full_attention' layers") from e
     return MSAAttention(cfg, rngs=rngs, **kw)
-  return Attention(attention_dims(cfg), impl=cfg.attention_impl, rngs=rngs, document_mask=cfg.document_mask, **kw)
+  return Attention(AttentionDims.from_config(cfg), impl=cfg.attention_impl, rngs=rngs, document_mask=cfg.document_mask, **kw)
 
 
 class DecoderLayer(nnx.Module):
