@@ -22,11 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.msa import pallas as _pallas
 from pallas_kernels.msa import reference as _reference
 from pallas_kernels.msa import xla as _xla
 
 Implementation = Literal["xla", "reference", "pallas"]
 _IMPLEMENTATIONS = ("xla", "reference", "pallas")
+# Ops with a Pallas implementation; None resolves to it on a GPU. On other backends "pallas" runs in interpret mode.
+_PALLAS_OPS = ("sparse_attention",)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -34,15 +37,16 @@ _IMPLEMENTATIONS = ("xla", "reference", "pallas")
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_implementation(implementation: str | None) -> str:
+def _resolve_implementation(implementation: str | None, op: str) -> str:
+  """None picks the fastest implementation of `op` on the default backend: the Pallas kernels on a GPU where they
+  exist (sparse_attention), else xla."""
   if implementation is None:
-    # The Pallas kernels become the GPU default once they exist; until then XLA is the only scalable path.
-    return "xla"
+    return "pallas" if op in _PALLAS_OPS and jax.default_backend() == "gpu" else "xla"
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r}: expected None or one of {_IMPLEMENTATIONS}")
-  if implementation == "pallas":
+  if implementation == "pallas" and op not in _PALLAS_OPS:
     raise NotImplementedError(
-        "implementation='pallas': the Pallas MSA kernels are not implemented yet; "
+        f"{op}(implementation='pallas'): no Pallas kernel for this op yet (only {', '.join(_PALLAS_OPS)}); "
         "use implementation='xla' (any backend) or 'reference' (small sizes only)")
   return implementation
 
@@ -212,7 +216,7 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
     with a visible key by descending max-pooled score `max_{visible j in block} q_idx . k_idx[j]`, then `-1`
     padding. Blocks are anchored to absolute slots, not to segment starts.
   """
-  impl = _resolve_implementation(implementation)
+  impl = _resolve_implementation(implementation, "select_blocks")
   B, T, _, _, S = _check_index(q_idx, k_idx)
   block_size = _check_int("block_size", block_size, minimum=1)
   topk = _check_int("topk", topk, minimum=1)
@@ -238,20 +242,26 @@ def sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None
     block_size: keys per block.
     scale: logit scale, default `1 / sqrt(D)`.
     q_offset: position of query 0 (default `S - T`): int, or int32 scalar array (may be traced).
-    implementation: None (= "xla"), "xla", "reference" or "pallas".
+    implementation: None (= "pallas" on a GPU, else "xla"), "xla", "reference" or "pallas" (Triton on a GPU,
+      interpret mode elsewhere: slow, for tests).
     segment_ids: optional `int [B, S]` segment id of every key slot; keys of other segments are masked out.
 
   Returns:
     `[B, T, Hq, D]` in q's dtype (f32 accumulation); a row that sees no key is 0. Differentiable in q, k, v.
   """
-  impl = _resolve_implementation(implementation)
-  B, T, _, _, S, Hkv = _check_qkv(q, k, v)
+  impl = _resolve_implementation(implementation, "sparse_attention")
+  B, T, Hq, D, S, Hkv = _check_qkv(q, k, v)
+  if implementation is None and impl == "pallas" and not _pallas.fits_gpu_kernels(Hq // Hkv, D, block_size):
+    impl = "xla"  # the default never fails on a shape the Triton kernels cannot tile
   block_size = _check_int("block_size", block_size, minimum=1)
   _check_block_idx(block_idx, B, Hkv, T, _num_blocks(S, block_size))
   scale = _check_scale("scale", scale)
   q_offset = _resolve_q_offset(q_offset, T, S)
   segment_ids = _check_segment_ids(segment_ids, B, S)
-  fn = _reference.sparse_attention if impl == "reference" else _xla.sparse_attention
+  if impl == "pallas" and jax.default_backend() == "gpu":
+    _pallas.check_gpu_shapes(Hq // Hkv, D, block_size)
+  fn = {"reference": _reference.sparse_attention, "xla": _xla.sparse_attention,
+        "pallas": _pallas.sparse_attention}[impl]
   return fn(q, k, v, jnp.asarray(block_idx, jnp.int32), block_size=block_size, scale=scale, q_offset=q_offset,
             segment_ids=segment_ids)
 
@@ -278,7 +288,7 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
     `P_idx = softmax_I(q_idx . k_idx * index_scale)`. Every (b, t, group) row counts in the mean; a row with an
     empty support contributes 0. d loss / d index_logits = (P_idx - P) / (B * T * Hkv).
   """
-  impl = _resolve_implementation(implementation)
+  impl = _resolve_implementation(implementation, "kl_loss")
   B, T, _, _, S, Hkv = _check_qkv(q, k)
   _check_index(q_idx, k_idx, B, T, Hkv, S)
   block_size = _check_int("block_size", block_size, minimum=1)

@@ -1,0 +1,122 @@
+"""Pallas (Triton) backward kernels of MSA's sparse attention (KV-outer).
+
+With the forward's final log-sum-exp `lse` and `delta = rowsum(dO * O)` per (query, head), the probabilities of any
+(query, block) pair are recomputed exactly as `exp(q.k * scale - lse)`, so the pairs of one block can be processed
+without the other blocks of their rows:
+
+  1. `kv_outer_backward`: one program per (b, h, KV block j). It loads K_j, V_j once and walks the block's pairs in
+     chunks of R queries (the same block order as the forward), accumulating dK_j and dV_j in registers: no other
+     program touches block j, so no atomics and no cross-program reduction. Each chunk's dQ contribution
+     (`dS K_j * scale`, one per (query, slot) pair) is written to a partial buffer in block order.
+  2. `merge_dq`: one program per tile of queries sums the K partial dQ rows of each query in slot order.
+Both passes are deterministic: every output element is written once, sums run in a fixed order.
+
+Hot blocks (the early blocks every query can see, the diagonal) have many more pairs than others; their programs run
+longer. The grid is laid out block-major from block 0, so the heaviest programs start first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.msa.pallas_fwd import _iota, dot, rows_cols, visible_mask
+
+
+def _dkv_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref, *refs, G, Hq, Hkv, R, bs, D, scale, has_seg):
+  seg_ref = refs[0] if has_seg else None
+  dk_ref, dv_ref, dq_ref = refs[-3:]
+  bh, j = pl.program_id(0), pl.program_id(1)
+  b, h = bh // Hkv, bh % Hkv
+  start, count = blk_start_ref[bh, j], blk_count_ref[bh, j]
+  k0 = pl.multiple_of(j * bs, bs)
+  k = k_ref[b, pl.ds(k0, bs), h, :]  # [bs, D]
+  v = v_ref[b, pl.ds(k0, bs), h, :]
+  k_pos = k0 + _iota(bs)
+  i = _iota(R * G)
+  r, g = i // G, i % G
+
+  def chunk(it, carry):
+    dk, dv = carry
+    first = start + it * R
+    row_ok = it * R + r < count
+    t = sorted_t_ref[bh, first + r]  # [R*G]
+    rows = t * Hq + h * G + g
+    q = q_ref[(b, *rows_cols(rows, D))]  # [R*G, D]
+    do = do_ref[(b, *rows_cols(rows, D))]
+    lse = lse_ref[b, rows]  # [R*G] f32
+    delta = delta_ref[b, rows]
+    s = dot(q, k.T) * scale  # [R*G, bs]
+    vis = visible_mask(offset_ref[0] + t, k_pos, row_ok, seg_ref, b, k0, bs)
+    # A visible key implies a finite lse; the where keeps exp(+inf) of dead rows out of the sums.
+    p = jnp.where(vis, jnp.exp(s - lse[:, None]), 0.0)
+    dv = dv + dot(p.astype(do.dtype).T, do)  # [bs, D]
+    dp = dot(do, v.T)  # [R*G, bs]
+    ds = p * (dp - delta[:, None])
+    dk = dk + dot(ds.astype(q.dtype).T, q)
+    dq = dot(ds.astype(k.dtype), k) * scale  # [R*G, D]: this pair's share of dQ
+    plgpu.store(dq_ref.at[bh, pl.ds(first * G, R * G), :], dq.astype(dq_ref.dtype), mask=row_ok[:, None])
+    return dk, dv
+
+  zeros = jnp.zeros((bs, D), jnp.float32)
+  dk, dv = jax.lax.fori_loop(0, (count + R - 1) // R, chunk, (zeros, zeros))
+  dk_ref[b, pl.ds(k0, bs), h, :] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[b, pl.ds(k0, bs), h, :] = dv.astype(dv_ref.dtype)
+
+
+def kv_outer_backward(q, k, v, do, lse, delta, kv_map, offset, seg, *, G, R, bs, scale, dq_dtype, interpret,
+                      num_warps, num_stages):
+  """q, do [B, T*Hq, D]; lse, delta f32 [B, T*Hq]; k, v [B, S_pad, Hkv, D]
+  -> dk, dv [B, S_pad, Hkv, D] (k's dtype) and per-pair dq [BH, (P+R)*G, D] (dq_dtype)."""
+  B, _, D = q.shape
+  S_pad, Hkv = k.shape[1], k.shape[2]
+  BH, nb = kv_map.blk_start.shape
+  rows = kv_map.sorted_t.shape[1] * G
+  kernel = functools.partial(_dkv_kernel, G=G, Hq=G * Hkv, Hkv=Hkv, R=R, bs=bs, D=D, scale=scale,
+                             has_seg=seg is not None)
+  extra = () if seg is None else (seg,)
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct((BH, rows, D), dq_dtype)),
+      grid=(BH, nb),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="msa_kv_outer_backward",
+  )(offset, kv_map.blk_start, kv_map.blk_count, kv_map.sorted_t, q, k, v, do, lse, delta, *extra)
+
+
+def _dq_merge_kernel(pair_pos_ref, dq_part_ref, dq_ref, *, G, Hq, Hkv, K, TQ, D):
+  bh, tile = pl.program_id(0), pl.program_id(1)
+  b, h = bh // Hkv, bh % Hkv
+  i = _iota(TQ * G)
+  t, g = tile * TQ + i // G, i % G
+
+  def slot(s, acc):
+    p = pair_pos_ref[bh, t * K + s]  # [TQ*G]
+    valid = p >= 0
+    row = jnp.where(valid, p, 0) * G + g
+    part = dq_part_ref[(bh, *rows_cols(row, D))].astype(jnp.float32)  # [TQ*G, D]
+    return acc + jnp.where(valid[:, None], part, 0.0)  # rows of unusable slots are unwritten
+
+  acc = jax.lax.fori_loop(0, K, slot, jnp.zeros((TQ * G, D), jnp.float32))
+  dq_ref[(b, *rows_cols(t * Hq + h * G + g, D))] = acc.astype(dq_ref.dtype)
+
+
+def merge_dq(pair_pos, dq_part, *, B, T_pad, Hq, Hkv, K, TQ, out_dtype, interpret, num_warps, num_stages):
+  """pair_pos [BH, T_pad*K], dq_part [BH, rows, D] -> dq [B, T_pad*Hq, D]."""
+  D = dq_part.shape[-1]
+  kernel = functools.partial(_dq_merge_kernel, G=Hq // Hkv, Hq=Hq, Hkv=Hkv, K=K, TQ=TQ, D=D)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((B, T_pad * Hq, D), out_dtype),
+      grid=(B * Hkv, T_pad // TQ),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="msa_merge_dq",
+  )(pair_pos, dq_part)
