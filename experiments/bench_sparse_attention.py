@@ -98,9 +98,10 @@ def check_families(log):
       out, grads = f(q, k, v, do)
       out2, grads2 = f(q, k, v, do)
       up = lambda x: x.astype(jnp.float32)  # noqa: E731
-      ref_out, ref_vjp = jax.vjp(lambda q, k, v: msa_reference.sparse_attention(q, k, v, sel, **kw),
-                                 up(q), up(k), up(v))
-      ref_grads = ref_vjp(up(do))
+      with jax.default_matmul_precision("highest"):  # XLA's GPU default for f32 matmuls is tf32
+        ref_out, ref_vjp = jax.vjp(lambda q, k, v: msa_reference.sparse_attention(q, k, v, sel, **kw),
+                                   up(q), up(k), up(v))
+        ref_grads = ref_vjp(up(do))
       qm = msa_pallas.sparse_attention_query_major(q, k, v, sel, **kw)
       row = {"family": name, "G": G, "D": d, "T": T, "S": S, "topk": topk, "dtype": dtype, "segments": segments,
              "rel_out": rel(out, ref_out), **{f"rel_{n}": rel(g, r) for n, g, r in zip("qkv", grads, ref_grads)},
@@ -152,6 +153,42 @@ def fla_times(q, k, v, sel, do, repeat):
   return t_f, t_fb, out_np
 
 
+def components(q, k, v, sel, do, rec, args):
+  """Each stage of the default KV-outer forward and backward jitted alone, on the outputs of the stage before."""
+  from pallas_kernels.msa import pallas_bwd, pallas_fwd  # noqa: PLC0415
+  from pallas_kernels.msa.pallas_map import build_kv_map  # noqa: PLC0415
+  B, T = q.shape[:2]
+  G, nb, K = HQ // HKV, T // BS, sel.shape[-1]
+  cfg = msa_pallas.KernelConfig(block_size=BS, scale=D ** -0.5, interpret=False)
+  R, Rb, TQ = cfg.fwd_rows(q.dtype) // G, cfg.bwd_rows_for(q.dtype) // G, cfg.merge_rows // G
+  offset = jnp.zeros((1,), jnp.int32)
+  q2, do2 = q.reshape(B, T * HQ, D), do.reshape(B, T * HQ, D)
+  mk = jax.jit(lambda s: build_kv_map(s, nb, R * cfg.fwd_steps, pad=max(R, Rb)))
+  rec("part_kv_map", timeit(mk, sel, repeat=args.repeat))
+  kv_map = mk(sel)
+  part = jax.jit(lambda q2, k, v, m: pallas_fwd.kv_outer_partials(
+      q2, k, v, m, offset, None, G=G, R=R, bs=BS, scale=cfg.scale, partial_dtype=q.dtype, interpret=False,
+      num_warps=cfg.num_warps, num_stages=cfg.fwd_stages))
+  rec("part_fwd_partials", timeit(part, q2, k, v, kv_map, repeat=args.repeat))
+  o_part, lse_part = part(q2, k, v, kv_map)
+  merge = jax.jit(lambda m, o, l: pallas_fwd.merge_partials(
+      m.pair_pos, o, l, B=B, T_pad=T, Hq=HQ, Hkv=HKV, K=K, TQ=TQ, out_dtype=q.dtype, interpret=False,
+      num_warps=cfg.merge_warps, num_stages=cfg.merge_stages))
+  rec("part_fwd_merge", timeit(merge, kv_map, o_part, lse_part, repeat=args.repeat))
+  out, lse = merge(kv_map, o_part, lse_part)
+  del o_part, lse_part
+  delta = jnp.sum(do2.astype(jnp.float32) * out.astype(jnp.float32), -1)
+  bwd = jax.jit(lambda q2, k, v, do2, lse, delta, m: pallas_bwd.kv_outer_backward(
+      q2, k, v, do2, lse, delta, m, offset, None, G=G, R=Rb, bs=BS, scale=cfg.scale,
+      dq_dtype=q.dtype, interpret=False, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages))
+  rec("part_bwd_dkv_dqpart", timeit(bwd, q2, k, v, do2, lse, delta, kv_map, repeat=args.repeat))
+  dq_part = bwd(q2, k, v, do2, lse, delta, kv_map)[2]
+  mdq = jax.jit(lambda m, d: pallas_bwd.merge_dq(m.pair_pos, d, B=B, T_pad=T, Hq=HQ, Hkv=HKV, K=K, TQ=TQ,
+                                                 out_dtype=q.dtype, interpret=False, num_warps=cfg.merge_warps,
+                                                 num_stages=cfg.merge_stages))
+  rec("part_bwd_dq_merge", timeit(mdq, kv_map, dq_part, repeat=args.repeat))
+
+
 def timing(T, args, log):
   q, k, v, sel, _ = random_problem(jax.random.key(0), 1, T, T, HQ, HKV, D, BS, TOPK, jnp.bfloat16)
   do = jax.random.normal(jax.random.key(1), q.shape, jnp.float32).astype(jnp.bfloat16)
@@ -176,24 +213,25 @@ def timing(T, args, log):
   out_p = jax.jit(pallas())(q, k, v)
   if args.xla and T <= args.xla_max_t:
     xla = lambda q, k, v: msa.sparse_attention(q, k, v, sel, block_size=BS, implementation="xla")  # noqa: E731
-    out_x = jax.jit(xla)(q, k, v)
-    row["rel_pallas_vs_xla_out"] = rel(out_p, out_x)
     rec("xla_fwd", timeit(jax.jit(xla), q, k, v, repeat=3), fwd_flops)
-    gx = vjp_fn(xla)(q, k, v, do)
-    gp = vjp_fn(pallas())(q, k, v, do)
-    for n, a, b in zip("qkv", gp, gx):
-      row[f"rel_pallas_vs_xla_d{n}"] = rel(a, b)
-    del gx, gp
+    # Accuracy at scale: every bf16 path against the xla implementation on float32 upcasts of the same inputs.
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+      out_32, g32 = jax.jit(lambda q, k, v, do: (xla(q, k, v), jax.vjp(xla, q, k, v)[1](do)))(
+          up(q), up(k), up(v), up(do))
+    row["rel_pallas_vs_f32_out"] = rel(out_p, out_32)
+    row["rel_xla_bf16_vs_f32_out"] = rel(jax.jit(xla)(q, k, v), out_32)
+    for tag, fn in (("xla_bf16", xla), ("pallas", pallas()), ("pallas_dq_f32", pallas(dq_dtype="float32")),
+                    ("pallas_dq_bf16", pallas(dq_dtype="bfloat16"))):
+      for n, a, b in zip("qkv", vjp_fn(fn)(q, k, v, do), g32):
+        row[f"rel_{tag}_vs_f32_d{n}"] = rel(a, b)
+    log({kk: vv for kk, vv in row.items() if kk.startswith("rel_")})
+    del g32, out_32
   qm = jax.jit(lambda q, k, v: msa_pallas.sparse_attention_query_major(q, k, v, sel, block_size=BS))
   row["rel_query_major_vs_kv_outer"] = rel(qm(q, k, v), out_p)
   rec("pallas_query_major_fwd", timeit(qm, q, k, v, repeat=args.repeat), fwd_flops)
 
-  # Components of the KV-outer forward (each jitted alone; the sum slightly exceeds the fused call's time).
-  from pallas_kernels.msa.pallas_map import build_kv_map  # noqa: PLC0415
-  nb = T // BS
-  for rows in args.rows:
-    R = rows // (HQ // HKV)
-    rec(f"kv_map_rows{rows}", timeit(jax.jit(lambda s: build_kv_map(s, nb, R)), sel, repeat=args.repeat))
+  components(q, k, v, sel, do, rec, args)
   for variant in args.variants:
     kn = dict(json.loads(variant))
     tag = "pallas_kv_outer" + "".join(f"_{a}{b}" for a, b in kn.items())

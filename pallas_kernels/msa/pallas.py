@@ -47,18 +47,20 @@ class KernelConfig:
     tiles all live there); f32 halves both.
   partial_dtype: dtype of the per-pair forward partials; None = q's dtype (each partial is normalised before it is
     rounded, and the merge weights are f32).
-  dq_dtype: dtype of the per-pair dQ partials (summed in f32 by the merge).
+  dq_dtype: dtype of the per-pair dQ partials, None = q's dtype (each partial is a sum over one block in f32,
+    rounded once, then the merge sums them in f32); bf16 halves the backward's largest temporary
+    (T * topk * Hq * D elements: 32 GiB at 128K tokens in the M3 shape).
   """
   block_size: int
   scale: float
   interpret: bool
   rows: int | None = None
   fwd_steps: int = 8
-  fwd_stages: int = 2
+  fwd_stages: int = 1
   bwd_rows: int | None = None
   merge_rows: int = 128
   partial_dtype: str | None = None
-  dq_dtype: str = "float32"
+  dq_dtype: str | None = None
   num_warps: int = 4
   bwd_warps: int = 8
   bwd_stages: int = 1
@@ -172,9 +174,10 @@ def _attention_bwd(cfg, res, do):
   R, TQ = max(1, cfg.bwd_rows_for(q2.dtype) // G), max(1, cfg.merge_rows // G)
   T_pad = _cdiv(T, TQ) * TQ
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).reshape(B, T * Hq)  # [B, T*Hq]
+  dq_dtype = q2.dtype if cfg.dq_dtype is None else jnp.dtype(cfg.dq_dtype)
   dk, dv, dq_part = pallas_bwd.kv_outer_backward(
       q2, kp, vp, do.reshape(B, T * Hq, D).astype(q2.dtype), lse, delta, kv_map, offset, segp, G=G, R=R,
-      bs=cfg.block_size, scale=cfg.scale, dq_dtype=jnp.dtype(cfg.dq_dtype), interpret=cfg.interpret,
+      bs=cfg.block_size, scale=cfg.scale, dq_dtype=dq_dtype, interpret=cfg.interpret,
       num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
   dq = pallas_bwd.merge_dq(pair_pos, dq_part, B=B, T_pad=T_pad, Hq=Hq, Hkv=Hkv, K=K, TQ=TQ, out_dtype=q2.dtype,
                            interpret=cfg.interpret, num_warps=cfg.merge_warps, num_stages=cfg.merge_stages)

@@ -1,0 +1,188 @@
+"""Pallas sparse attention (KV-outer forward + backward, query-major baseline) against the float64 numpy oracles of
+test_msa_ops, in Pallas interpret mode on the CPU.
+
+Interpret mode fills every output of a pallas_call with NaN before the kernel runs, so an element that no program
+writes (a missed chunk, a dropped pair, a skipped merge slot) surfaces as NaN: every check below also requires
+finite results. Small `KNOBS` force the code paths that only occur at scale on the GPU: several steps per forward
+program, a hot block split over several programs, backward loops of several steps, padded merge tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import msa
+from pallas_kernels.msa import pallas as msa_pallas
+from pallas_kernels.msa.pallas_map import build_kv_map
+from tests.test_msa_ops import (CASES, RAGGED_SEGMENTS, Case, assert_close, make_inputs, np_attention,
+                                np_select_blocks, np_support)
+
+KNOBS = dict(rows=16, fwd_steps=2, bwd_rows=8, merge_rows=8)
+
+
+def pallas_vjp(x, block_idx, c: Case, *, segment_ids=None, scale=None, q_offset=None, **knobs):
+  """(out, dq, dk, dv) of the Pallas kernels for cotangent x['dout']."""
+  f = lambda q, k, v: msa_pallas.sparse_attention(  # noqa: E731
+      q, k, v, jnp.asarray(block_idx), block_size=c.block_size, scale=scale, segment_ids=segment_ids,
+      q_offset=q_offset, **knobs)
+  out, vjp = jax.vjp(f, x["q"], x["k"], x["v"])
+  return (out, *vjp(jnp.asarray(x["dout"])))
+
+
+def assert_matches_oracle(got, x, support, scale):
+  want = np_attention(x["q"], x["k"], x["v"], support, scale, x["dout"])
+  for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    assert np.isfinite(np.asarray(a)).all(), f"{name}: non-finite entries (an element was never written)"
+    assert_close(a, b, name)
+
+
+def random_selection(rng, B, Hkv, T, S, block_size, topk, q_offset):
+  """Duplicate-free random selections of visible blocks, a random number of them per row (partial rows), -1 last."""
+  sel = np.full((B, Hkv, T, topk), -1, np.int32)
+  for b in range(B):
+    for h in range(Hkv):
+      for t in range(T):
+        visible = (q_offset + t) // block_size + 1
+        n = rng.integers(1, min(topk, visible) + 1)
+        sel[b, h, t, :n] = rng.permutation(visible)[:n]
+  return sel
+
+
+@pytest.mark.parametrize("knobs", [{}, KNOBS], ids=["default_tiles", "small_tiles"])
+@pytest.mark.parametrize("c", CASES[:3], ids=lambda c: c.name)
+def test_output_and_vjp_match_oracle(c, knobs):
+  x = make_inputs(c)
+  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
+  got = pallas_vjp(x, sel.astype(np.int32), c, q_offset=c.q_offset, **knobs)
+  assert got[0].shape == (c.B, c.T, c.Hq, c.D) and got[0].dtype == jnp.float32
+  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
+def test_group_sizes_with_random_partial_selections(G):
+  c = Case(f"g{G}", B=1, T=24, S=40, Hq=2 * G, Hkv=2, D=16, block_size=8, topk=4)
+  x = make_inputs(c, seed=G)
+  sel = random_selection(np.random.default_rng(G), c.B, c.Hkv, c.T, c.S, c.block_size, c.topk, c.offset)
+  got = pallas_vjp(x, sel, c, **KNOBS)
+  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
+
+
+def test_empty_repeated_and_out_of_order_slots():
+  # -1 anywhere, repeated ids (count once), rows with no block at all (output 0, gradient 0), a custom scale.
+  c = Case("messy", B=1, T=37, S=37, Hq=4, Hkv=2, D=8, block_size=8, topk=5)
+  x = make_inputs(c, seed=3)
+  sel = np.random.default_rng(1).integers(-1, c.num_blocks, size=(c.B, c.Hkv, c.T, 6)).astype(np.int32)
+  sel[:, :, ::7] = -1
+  got = pallas_vjp(x, sel, c, scale=0.3, **KNOBS)
+  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, 0), 0.3)
+  assert not np.asarray(got[0])[0, ::7].any()
+
+
+def test_all_local_selection():
+  # Every slot a forced local block: each block's pairs are runs of consecutive queries (the diagonal hot spot).
+  c = Case("all_local", B=1, T=48, S=48, Hq=4, Hkv=1, D=16, block_size=8, topk=3, local_blocks=3)
+  x = make_inputs(c, seed=5)
+  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
+  got = pallas_vjp(x, sel.astype(np.int32), c, **KNOBS)
+  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, 0), c.D ** -0.5)
+
+
+def test_packed_segments_with_ragged_last_block():
+  c = Case("segments", B=2, T=32, S=32, Hq=4, Hkv=2, D=8, block_size=8, topk=3)
+  x = make_inputs(c, seed=7)
+  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, 1, 0, RAGGED_SEGMENTS)
+  got = pallas_vjp(x, sel.astype(np.int32), c, segment_ids=jnp.asarray(RAGGED_SEGMENTS), **KNOBS)
+  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, 0, RAGGED_SEGMENTS), c.D ** -0.5)
+  # S not a multiple of the block size: the last block is padded inside the op.
+  c2 = Case("ragged", B=1, T=21, S=29, Hq=4, Hkv=2, D=8, block_size=8, topk=3)
+  x2 = make_inputs(c2, seed=8)
+  sel2 = random_selection(np.random.default_rng(2), 1, 2, c2.T, c2.S, 8, 3, c2.offset)
+  got2 = pallas_vjp(x2, sel2, c2, **KNOBS)
+  assert_matches_oracle(got2, x2, np_support(sel2, c2.T, c2.S, 8, c2.offset), c2.D ** -0.5)
+
+
+def test_traced_q_offset_in_a_jitted_decode_step():
+  # Decoding against a fixed cache buffer: the offset is a tracer, one compilation serves every step.
+  c = Case("decode", B=2, T=2, S=24, Hq=4, Hkv=2, D=8, block_size=4, topk=3)
+  x = make_inputs(c, seed=9)
+  step = jax.jit(lambda q, k, v, sel, n: msa_pallas.sparse_attention(q, k, v, sel, block_size=4, q_offset=n))
+  for n in (5, 13, 22):
+    sel = random_selection(np.random.default_rng(n), c.B, c.Hkv, c.T, c.S, 4, 3, n)
+    out = step(x["q"], x["k"], x["v"], sel, jnp.int32(n))
+    assert_close(out, np_attention(x["q"], x["k"], x["v"], np_support(sel, c.T, c.S, 4, n), c.D ** -0.5),
+                 f"offset {n}")
+
+
+def test_bitwise_deterministic_and_bf16_within_tolerance():
+  c = Case("bf16", B=1, T=40, S=40, Hq=8, Hkv=2, D=16, block_size=8, topk=3)
+  x = make_inputs(c, seed=11)
+  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, 1, 0)
+  xb = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
+  first = pallas_vjp(xb, sel.astype(np.int32), c, **KNOBS)
+  second = pallas_vjp(xb, sel.astype(np.int32), c, **KNOBS)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # bf16 inputs, f32 accumulation: the result is as close to the f64 oracle on the same (rounded) inputs as bf16
+  # rounding of the outputs and of P allows.
+  want = np_attention(*(np.asarray(xb[n], np.float64) for n in ("q", "k", "v")),
+                      np_support(sel, c.T, c.S, c.block_size, 0), c.D ** -0.5, np.asarray(xb["dout"], np.float64))
+  for name, a, b in zip(("out", "dq", "dk", "dv"), first, want):
+    assert first[0].dtype == jnp.bfloat16
+    err = np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+    assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_query_major_baseline_matches_oracle():
+  c = Case("qmajor", B=2, T=37, S=53, Hq=8, Hkv=2, D=16, block_size=8, topk=4)
+  x = make_inputs(c, seed=13)
+  sel = random_selection(np.random.default_rng(4), c.B, c.Hkv, c.T, c.S, 8, 4, c.offset)
+  out = msa_pallas.sparse_attention_query_major(x["q"], x["k"], x["v"], sel, block_size=8)
+  assert_close(out, np_attention(x["q"], x["k"], x["v"], np_support(sel, c.T, c.S, 8, c.offset), c.D ** -0.5), "out")
+
+
+def test_kv_map_inverts_the_selection():
+  rng = np.random.default_rng(0)
+  B, Hkv, T, K, nb, R = 2, 2, 30, 4, 6, 3
+  sel = rng.integers(-1, nb, size=(B, Hkv, T, K)).astype(np.int32)
+  m = jax.tree.map(np.asarray, build_kv_map(jnp.asarray(sel), nb, R))
+  for bh in range(B * Hkv):
+    rows = sel.reshape(B * Hkv, T, K)[bh]
+    pairs = {}  # block -> ascending queries that chose it (once per query, whatever the repeats)
+    for t in range(T):
+      for j in sorted(set(rows[t][rows[t] >= 0].tolist())):
+        pairs.setdefault(j, []).append(t)
+    for j in range(nb):
+      start, count = m.blk_start[bh, j], m.blk_count[bh, j]
+      assert m.sorted_t[bh, start:start + count].tolist() == pairs.get(j, [])
+    live = m.chunk_count[bh] > 0
+    assert (m.chunk_count[bh] <= R).all()
+    covered = sorted(p for s, n in zip(m.chunk_start[bh][live], m.chunk_count[bh][live]) for p in range(s, s + n))
+    assert covered == list(range(sum(len(v) for v in pairs.values())))  # every pair in exactly one chunk
+    for t in range(T):
+      for s in range(K):
+        pos, j = m.pair_pos[bh, t * K + s], rows[t, s]
+        first = j >= 0 and j not in rows[t, :s].tolist()
+        assert (pos >= 0) == first
+        if first:
+          assert m.sorted_t[bh, pos] == t and m.blk_start[bh, j] <= pos < m.blk_start[bh, j] + m.blk_count[bh, j]
+
+
+def test_api_dispatch_and_gpu_shape_errors():
+  c = CASES[0]
+  x = make_inputs(c)
+  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
+  via_api = msa.sparse_attention(x["q"], x["k"], x["v"], sel.astype(np.int32), block_size=c.block_size,
+                                 implementation="pallas")
+  direct = msa_pallas.sparse_attention(x["q"], x["k"], x["v"], sel.astype(np.int32), block_size=c.block_size)
+  np.testing.assert_array_equal(np.asarray(via_api), np.asarray(direct))
+  with pytest.raises(ValueError, match="block_size=8"):
+    msa_pallas.check_gpu_shapes(G=2, D=16, block_size=8)
+  with pytest.raises(ValueError, match="head dim D=48"):
+    msa_pallas.check_gpu_shapes(G=2, D=48, block_size=64)
+  with pytest.raises(ValueError, match="G = Hq / Hkv = 3"):
+    msa_pallas.check_gpu_shapes(G=3, D=64, block_size=64)
+  with pytest.raises(NotImplementedError, match="select_blocks"):
+    msa.select_blocks(x["q_idx"], x["k_idx"], block_size=8, topk=2, implementation="pallas")
