@@ -132,3 +132,24 @@ def test_dense_to_msa_conversion_copies_the_dense_weights(tmp_path):
       np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(fresh_indexer[k]))
     else:
       np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(dense_flat[k].get_value()))
+
+
+def test_pallas_sparse_attention_in_the_model_matches_xla():
+  """msa_impl="pallas" (Pallas interpret mode on the CPU) gives the xla model's logits and gradients, with sparsity
+  active (topk * block_size = 8 < S = 24)."""
+  cfg = msa_cfg()
+  model = randomize(TextModel(cfg, rngs=nnx.Rngs(0)))
+  pallas_model = TextModel(cfg.replace(msa_impl="pallas"), rngs=nnx.Rngs(0))
+  nnx.update(pallas_model, nnx.state(model))
+  x = ids()
+
+  def loss(m):
+    logits, _ = m(x)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 1]), logits
+
+  (_, lg_a), ga = nnx.value_and_grad(loss, has_aux=True)(model)
+  (_, lg_b), gb = nnx.value_and_grad(loss, has_aux=True)(pallas_model)
+  np.testing.assert_allclose(np.asarray(lg_b), np.asarray(lg_a), atol=1e-5)
+  flat_a = dict(nnx.to_flat_state(ga))
+  for k, v in nnx.to_flat_state(gb):
+    np.testing.assert_allclose(np.asarray(v.get_value()), np.asarray(flat_a[k].get_value()), atol=1e-6, err_msg=str(k))

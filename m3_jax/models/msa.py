@@ -143,12 +143,15 @@ class MSAAttention(Attention):
       cache = cache.update(k, v, k_idx)
       k, v, k_idx, aux["cache"] = cache.k, cache.v, cache.k_idx, cache
       segment_ids = None
-    ops = dict(block_size=self.block_size, q_offset=q_offset, implementation=self.msa_impl)
+    # msa_impl="pallas" runs sparse_attention on the Pallas kernels; select_blocks and kl_loss have no Pallas
+    # kernel yet and stay on xla.
+    index_impl = "xla" if self.msa_impl == "pallas" else self.msa_impl
+    ops = dict(block_size=self.block_size, q_offset=q_offset, implementation=index_impl)
     seg = {} if segment_ids is None else {"segment_ids": segment_ids}
     block_idx = msa_ops.select_blocks(q_idx, k_idx, topk=self.topk, local_blocks=self.local_blocks, **ops, **seg)
 
     def sparse():
-      return msa_ops.sparse_attention(q, k, v, block_idx, **ops, **seg)
+      return msa_ops.sparse_attention(q, k, v, block_idx, **{**ops, "implementation": self.msa_impl}, **seg)
 
     def dense():
       return dot_product_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids)
