@@ -17,8 +17,8 @@ import pytest
 from pallas_kernels import msa
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa.pallas_map import build_kv_map
-from tests.test_msa_ops import (CASES, RAGGED_SEGMENTS, Case, assert_close, make_inputs, np_attention,
-                                np_select_blocks, np_support)
+from tests.test_msa_ops import (CASES, RAGGED_SEGMENTS, SELECT_CASES, Case, assert_close, assert_selection,
+                                make_inputs, np_attention, np_select_blocks, np_support)
 
 KNOBS = dict(rows=16, fwd_steps=2, bwd_rows=8, merge_rows=8)
 
@@ -184,5 +184,40 @@ def test_api_dispatch_and_gpu_shape_errors():
     msa_pallas.check_gpu_shapes(G=2, D=48, block_size=64)
   with pytest.raises(ValueError, match="G = Hq / Hkv = 3"):
     msa_pallas.check_gpu_shapes(G=3, D=64, block_size=64)
-  with pytest.raises(NotImplementedError, match="select_blocks"):
-    msa.select_blocks(x["q_idx"], x["k_idx"], block_size=8, topk=2, implementation="pallas")
+  with pytest.raises(NotImplementedError, match="kl_loss"):
+    msa.kl_loss(x["q"], x["k"], x["q_idx"], x["k_idx"], None, block_size=8, implementation="pallas")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# select_blocks: fused scoring + running top-k
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("c", SELECT_CASES, ids=lambda c: c.name)
+def test_select_blocks_matches_oracle(c):
+  x = make_inputs(c)
+  sel = msa.select_blocks(x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk, local_blocks=c.local_blocks,
+                          q_offset=c.q_offset, implementation="pallas")
+  oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
+  assert_selection(sel, oracle, raw, c)
+
+
+def test_select_blocks_per_group_segments_and_tiles():
+  # Group 1 reads the negated index query (opposite preferences), segments cut the history, and small query tiles
+  # with T not a multiple of the tile exercise the padded last tile.
+  c = Case("groups_segments", B=2, T=32, S=32, Hq=2, Hkv=2, D=8, block_size=4, topk=3)
+  x = make_inputs(c, seed=21)
+  q_idx = np.stack([x["q_idx"][:, :, 0], -x["q_idx"][:, :, 0]], axis=2)
+  from pallas_kernels.msa import pallas_select  # noqa: PLC0415
+  for seg in (None, RAGGED_SEGMENTS):
+    sel = pallas_select.select_blocks(q_idx, x["k_idx"], block_size=4, topk=3, query_tile=8,
+                                      segment_ids=None if seg is None else jnp.asarray(seg))
+    oracle, raw = np_select_blocks(q_idx, x["k_idx"], 4, 3, 1, 0, seg)
+    assert_selection(sel, oracle, raw, c)
+    # Exactly the xla implementation's output (same tie-breaking, same slot order).
+    want = msa.select_blocks(q_idx, x["k_idx"], block_size=4, topk=3, implementation="xla",
+                             segment_ids=None if seg is None else jnp.asarray(seg))
+    np.testing.assert_array_equal(np.asarray(sel), np.asarray(want))
+  t = pallas_select.select_blocks(q_idx[:, :29], x["k_idx"], block_size=4, topk=3, query_tile=8)
+  np.testing.assert_array_equal(np.asarray(t), np.asarray(msa.select_blocks(q_idx[:, :29], x["k_idx"], block_size=4,
+                                                                            topk=3, implementation="xla")))

@@ -23,13 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.msa import pallas as _pallas
+from pallas_kernels.msa import pallas_select as _pallas_select
 from pallas_kernels.msa import reference as _reference
 from pallas_kernels.msa import xla as _xla
 
 Implementation = Literal["xla", "reference", "pallas"]
 _IMPLEMENTATIONS = ("xla", "reference", "pallas")
-# Ops with a Pallas implementation; None resolves to it on a GPU. On other backends "pallas" runs in interpret mode.
-_PALLAS_OPS = ("sparse_attention",)
+# Ops with a Pallas implementation (on other backends than GPU "pallas" runs in interpret mode), and those for which
+# None resolves to it on a GPU: only kernels that were lowered and measured there.
+_PALLAS_OPS = ("sparse_attention", "select_blocks")
+_PALLAS_DEFAULT_OPS = ("sparse_attention",)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -41,7 +44,7 @@ def _resolve_implementation(implementation: str | None, op: str) -> str:
   """None picks the fastest implementation of `op` on the default backend: the Pallas kernels on a GPU where they
   exist (sparse_attention), else xla."""
   if implementation is None:
-    return "pallas" if op in _PALLAS_OPS and jax.default_backend() == "gpu" else "xla"
+    return "pallas" if op in _PALLAS_DEFAULT_OPS and jax.default_backend() == "gpu" else "xla"
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r}: expected None or one of {_IMPLEMENTATIONS}")
   if implementation == "pallas" and op not in _PALLAS_OPS:
@@ -208,7 +211,8 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
     local_blocks: the query's own block and the `local_blocks - 1` before it are always kept (0 <= it <= topk),
       even when (with segment_ids) an older one holds no key of the query's segment.
     q_offset: position of query 0 (default `S - T`): int, or int32 scalar array (may be traced).
-    implementation: None (= "xla"), "xla", "reference" or "pallas".
+    implementation: None (= "xla"), "xla", "reference" or "pallas" (fused scoring + running top-k; interpret mode
+      off the GPU; not yet the GPU default).
     segment_ids: optional `int [B, S]` segment id of every key slot (packed documents); None = one segment.
 
   Returns:
@@ -225,7 +229,7 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
     raise ValueError(f"local_blocks={local_blocks}: expected local_blocks <= topk={topk}")
   q_offset = _resolve_q_offset(q_offset, T, S)
   segment_ids = _check_segment_ids(segment_ids, B, S)
-  fn = _reference.select_blocks if impl == "reference" else _xla.select_blocks
+  fn = {"reference": _reference.select_blocks, "xla": _xla.select_blocks, "pallas": _pallas_select.select_blocks}[impl]
   return fn(q_idx, k_idx, block_size=block_size, topk=topk, local_blocks=local_blocks, q_offset=q_offset,
             segment_ids=segment_ids)
 
