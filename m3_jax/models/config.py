@@ -1,4 +1,4 @@
-"""Typed model configuration for the M3 text tower.
+"""Typed model configuration for the M3 text tower, the vision tower and the VL model.
 
 Field names follow HF transformers' `MiniMaxM3VLTextConfig` so that a real `config.json` maps 1:1 onto
 `TextConfig.from_hf_dict`. Modules receive this dataclass (or the pieces they need), never the whole
@@ -168,6 +168,201 @@ class TextConfig:
       raise ValueError(f"TextConfig: unknown fields {unknown}; known fields are {sorted(fields)}")
     return cls(**d)
 
+
+
+VISION_ACTS = ("gelu", "gelu_pytorch_tanh", "quick_gelu")
+VISION_ATTENTION_IMPLS = ("xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """The M3 vision tower (a ViT with 3D axial RoPE). Defaults are the real MiniMax-M3 tower.
+
+  Field names follow HF transformers' `MiniMaxM3VLVisionConfig` (`rope_parameters.rope_theta` becomes
+  `rope_theta`). `max_frames` is ours: the temporal patches (groups of `temporal_patch_size` frames) per attention
+  segment. Patches attend to every patch of their segment and to nothing outside it; `max_frames=1` is per-frame
+  attention. HF expresses the same thing in its video processor (`vision_segment_max_frames`, default 4), which
+  cuts each video into chunks of at most that many temporal patches before the tower; the temporal RoPE position
+  restarts at 0 in every chunk, and ours restarts in every segment.
+  """
+
+  hidden_size: int = 1280
+  intermediate_size: int = 5120
+  num_hidden_layers: int = 32
+  num_attention_heads: int = 16
+  num_channels: int = 3
+  image_size: int = 2016  # HF's nominal size; the tower accepts any multiple of patch_size * spatial_merge_size
+  patch_size: int = 14
+  temporal_patch_size: int = 2
+  spatial_merge_size: int = 2
+  hidden_act: str = "gelu"  # exact (erf) GELU, as HF's ACT2FN["gelu"]
+  layer_norm_eps: float = 1e-5
+  attention_dropout: float = 0.0
+  rope_theta: float = 10000.0
+  initializer_range: float = 0.02
+  # Ours, not HF's.
+  max_frames: int = 4
+  attention_impl: str = "xla"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: bool = False
+
+  def __post_init__(self):
+    self.validate()
+
+  def validate(self) -> None:
+    def bad(msg):
+      raise ValueError(f"VisionConfig: {msg}")
+
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                 "patch_size", "temporal_patch_size", "spatial_merge_size", "max_frames"):
+      if int(getattr(self, name)) <= 0:
+        bad(f"{name}={getattr(self, name)} must be positive")
+    if self.hidden_size % self.num_attention_heads:
+      bad(f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}")
+    if self.rope_axis_dim == 0:
+      bad(f"head_dim={self.head_dim} is too small for 3D RoPE (each of t, h, w needs at least 2 channels, so "
+          "head_dim >= 6)")
+    if self.hidden_act not in VISION_ACTS:
+      bad(f"hidden_act={self.hidden_act!r}; expected one of {VISION_ACTS}")
+    if self.attention_dropout != 0.0:
+      bad(f"attention_dropout={self.attention_dropout} is not implemented (M3 uses 0.0)")
+    if self.attention_impl not in VISION_ATTENTION_IMPLS:
+      bad(f"attention_impl={self.attention_impl!r}; expected one of {VISION_ATTENTION_IMPLS}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_attention_heads
+
+  @property
+  def rope_axis_dim(self) -> int:
+    """Channels per axis (t, h, w) before the cos/sin duplication: HF's `2 * ((head_dim // 3) // 2)`."""
+    return 2 * ((self.head_dim // 3) // 2)
+
+  @property
+  def rotary_dim(self) -> int:
+    """Channels of each head rotated by 3D RoPE (the rest pass through): 78 of 80 for M3."""
+    return 3 * self.rope_axis_dim
+
+  @property
+  def patch_dim(self) -> int:
+    return self.temporal_patch_size * self.patch_size * self.patch_size * self.num_channels
+
+  @property
+  def pixels_per_token(self) -> int:
+    """Side of the square of pixels behind one merged visual token (patch_size * spatial_merge_size)."""
+    return self.patch_size * self.spatial_merge_size
+
+  def num_visual_tokens(self, frames: int, height: int, width: int) -> int:
+    """Merged visual tokens of one item of `frames` frames (an image has temporal_patch_size frames)."""
+    return (frames // self.temporal_patch_size) * (height // self.pixels_per_token) * (width // self.pixels_per_token)
+
+  def replace(self, **kw) -> "VisionConfig":
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any], **overrides) -> "VisionConfig":
+    """Builds from an HF `vision_config` dict (or a whole VL config.json dict)."""
+    d = dict(d.get("vision_config", d))
+    rope = d.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+      raise ValueError(f"VisionConfig: rope_parameters.rope_type={rope['rope_type']!r}; the M3 tower uses 'axial'")
+    if "rope_theta" not in d and "rope_theta" in rope:
+      d["rope_theta"] = rope["rope_theta"]
+    if d.get("vision_segment_max_frames") is not None:  # the video processor's name for max_frames
+      d.setdefault("max_frames", d["vision_segment_max_frames"])
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"VisionConfig: unknown fields {unknown}; known fields are {sorted(fields)}")
+    return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class VLConfig:
+  """Vision tower + projector + M3 text tower. Token ids default to the real M3 tokenizer's; our own BPE
+  tokenizer (m3_jax/data/tokenizer.py) uses 2 (<image>) and 3 (<video>)."""
+
+  text: TextConfig = dataclasses.field(default_factory=TextConfig)
+  vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+  image_token_index: int = 200025
+  video_token_index: int = 200026
+  projector_hidden_size: int = 6144
+
+  def __post_init__(self):
+    if isinstance(self.text, dict):
+      object.__setattr__(self, "text", TextConfig.from_dict(self.text))
+    if isinstance(self.vision, dict):
+      object.__setattr__(self, "vision", VisionConfig.from_dict(self.vision))
+    self.validate()
+
+  def validate(self) -> None:
+    def bad(msg):
+      raise ValueError(f"VLConfig: {msg}")
+
+    if not isinstance(self.text, TextConfig) or not isinstance(self.vision, VisionConfig):
+      bad(f"text and vision must be TextConfig and VisionConfig, got {type(self.text).__name__} and "
+          f"{type(self.vision).__name__}")
+    for name in ("image_token_index", "video_token_index"):
+      v = getattr(self, name)
+      if not 0 <= v < self.text.vocab_size:
+        bad(f"{name}={v} is outside the text vocabulary [0, {self.text.vocab_size})")
+    if self.image_token_index == self.video_token_index:
+      bad(f"image_token_index and video_token_index are both {self.image_token_index}")
+    if self.projector_hidden_size <= 0:
+      bad(f"projector_hidden_size={self.projector_hidden_size} must be positive")
+
+  @property
+  def merged_hidden_size(self) -> int:
+    """Input width of the patch-merge MLP: spatial_merge_size**2 projected patches side by side."""
+    return self.text.hidden_size * self.vision.spatial_merge_size ** 2
+
+  def replace(self, **kw) -> "VLConfig":
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any], *, text_overrides: dict | None = None,
+                   vision_overrides: dict | None = None, **overrides) -> "VLConfig":
+    """Builds from an HF MiniMax-M3 VL `config.json` dict (`text_config` + `vision_config` + token ids)."""
+    for key in ("text_config", "vision_config"):
+      if key not in d:
+        raise ValueError(f"VLConfig.from_hf_dict: the dict has no {key!r} (keys: {sorted(d)}); is it a VL config?")
+    fields = {f.name for f in dataclasses.fields(cls)} - {"text", "vision"}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw.update(overrides)
+    return cls(text=TextConfig.from_hf_dict(d["text_config"], **(text_overrides or {})),
+               vision=VisionConfig.from_hf_dict(d["vision_config"], **(vision_overrides or {})), **kw)
+
+  def to_dict(self) -> dict[str, Any]:
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["text"], d["vision"] = self.text.to_dict(), self.vision.to_dict()
+    return d
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "VLConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"VLConfig: unknown fields {unknown}; known fields are {sorted(fields)}")
+    d = dict(d)
+    if isinstance(d.get("text"), dict):
+      d["text"] = TextConfig.from_dict(d["text"])
+    if isinstance(d.get("vision"), dict):
+      d["vision"] = VisionConfig.from_dict(d["vision"])
+    return cls(**d)
 
 def layer_pattern(num_layers: int, first_dense: int, dense_kind: str, rest_kind: str) -> tuple[str, ...]:
   """`first_dense` layers of `dense_kind` then `rest_kind`; M3 is (60, 3, full/dense, sparse/MSA)."""
