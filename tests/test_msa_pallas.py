@@ -221,3 +221,39 @@ def test_select_blocks_per_group_segments_and_tiles():
   t = pallas_select.select_blocks(q_idx[:, :29], x["k_idx"], block_size=4, topk=3, query_tile=8)
   np.testing.assert_array_equal(np.asarray(t), np.asarray(msa.select_blocks(q_idx[:, :29], x["k_idx"], block_size=4,
                                                                             topk=3, implementation="xla")))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kl_loss: sparse target over the selected tokens, gradients to the index branch only
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["causal", "segments"])
+def test_kl_loss_and_index_gradients_match_oracle(segmented):
+  from tests.test_msa_ops import np_kl  # noqa: PLC0415
+  c = Case("kl", B=2, T=32, S=32, Hq=8, Hkv=2, D=16, block_size=4, topk=3, d_idx=16)
+  x = make_inputs(c, seed=31)
+  seg = RAGGED_SEGMENTS if segmented else None
+  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, 1, 0, seg)
+  sel = sel.astype(np.int32)
+  sel[0, 1, 5] = [-1, sel[0, 1, 5, 0], -1]  # partial row, slots out of order
+  seg_arg = None if seg is None else jnp.asarray(seg)
+  f = lambda q, k, qi, ki: msa.kl_loss(q, k, qi, ki, sel, block_size=4, implementation="pallas",  # noqa: E731
+                                       segment_ids=seg_arg)
+  loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x["q"], x["k"], x["q_idx"], x["k_idx"])
+  want, dq_idx, dk_idx, _ = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"],
+                                  np_support(sel, c.T, c.S, 4, 0, seg), c.D ** -0.5, c.d_idx ** -0.5)
+  assert_close(loss, want, "kl")
+  assert_close(grads[2], dq_idx, "d q_idx")
+  assert_close(grads[3], dk_idx, "d k_idx")
+  assert not np.asarray(grads[0]).any() and not np.asarray(grads[1]).any(), "the teacher must get no gradient"
+  # LSE fusion: the attention forward's log-sum-exp gives the same loss as recomputing it.
+  from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
+  _, lse = msa_pallas.sparse_attention_with_lse(x["q"], x["k"], x["v"], sel, block_size=4, segment_ids=seg_arg)
+  # Small tiles: several programs per block forward, several loop steps per block backward.
+  fused = lambda qi, ki: pallas_kl.kl_loss(x["q"], x["k"], qi, ki, sel, block_size=4,  # noqa: E731
+                                           segment_ids=seg_arg, lse=lse, rows=16, steps=1)
+  loss2, (dqi2, dki2) = jax.value_and_grad(fused, argnums=(0, 1))(x["q_idx"], x["k_idx"])
+  assert_close(loss2, want, "kl with the attention's lse")
+  assert_close(dqi2, dq_idx, "d q_idx, small tiles")
+  assert_close(dki2, dk_idx, "d k_idx, small tiles")

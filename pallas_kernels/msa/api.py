@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.msa import pallas as _pallas
+from pallas_kernels.msa import pallas_kl as _pallas_kl
 from pallas_kernels.msa import pallas_select as _pallas_select
 from pallas_kernels.msa import reference as _reference
 from pallas_kernels.msa import xla as _xla
@@ -31,7 +32,7 @@ Implementation = Literal["xla", "reference", "pallas"]
 _IMPLEMENTATIONS = ("xla", "reference", "pallas")
 # Ops with a Pallas implementation (on other backends than GPU "pallas" runs in interpret mode), and those for which
 # None resolves to it on a GPU: only kernels that were lowered and measured there.
-_PALLAS_OPS = ("sparse_attention", "select_blocks")
+_PALLAS_OPS = ("sparse_attention", "select_blocks", "kl_loss")
 _PALLAS_DEFAULT_OPS = ("sparse_attention",)
 
 
@@ -283,7 +284,8 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
     scale: main logit scale, default `1 / sqrt(D)`.
     index_scale: index logit scale, default `1 / sqrt(d_idx)`.
     q_offset: position of query 0 (default `S - T`): int, or int32 scalar array (may be traced).
-    implementation: None (= "xla"), "xla", "reference" or "pallas".
+    implementation: None (= "xla"), "xla", "reference" or "pallas" (sparse target only, KV-outer over the selected
+      tokens; the dense warmup target runs on xla; interpret mode off the GPU; not yet the GPU default).
     segment_ids: optional `int [B, S]` segment id of every key slot; the support keeps the query's segment only.
 
   Returns:
@@ -303,6 +305,10 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
   index_scale = _check_scale("index_scale", index_scale)
   q_offset = _resolve_q_offset(q_offset, T, S)
   segment_ids = _check_segment_ids(segment_ids, B, S)
+  if impl == "pallas" and block_idx is not None:
+    return _pallas_kl.kl_loss(q, k, q_idx, k_idx, block_idx, block_size=block_size, scale=scale,
+                              index_scale=index_scale, q_offset=q_offset, segment_ids=segment_ids)
+  # The dense warmup target (block_idx=None) has no Pallas kernel: it runs on xla.
   fn = _reference.kl_loss if impl == "reference" else _xla.kl_loss
   return fn(q, k, q_idx, k_idx, block_idx, block_size=block_size, scale=scale, index_scale=index_scale,
             q_offset=q_offset, segment_ids=segment_ids)

@@ -97,6 +97,14 @@ def check_gpu_shapes(G: int, D: int, block_size: int) -> None:
 def sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None, q_offset=None,
                      segment_ids=None, interpret: bool | None = None, **knobs) -> jax.Array:
   """[B, T, Hq, D]; see api.sparse_attention. `knobs` override KernelConfig fields (benchmarks, tests)."""
+  return sparse_attention_with_lse(q, k, v, block_idx, block_size=block_size, scale=scale, q_offset=q_offset,
+                                   segment_ids=segment_ids, interpret=interpret, **knobs)[0]
+
+
+def sparse_attention_with_lse(q, k, v, block_idx, *, block_size: int, scale: float | None = None, q_offset=None,
+                              segment_ids=None, interpret: bool | None = None, **knobs):
+  """(out [B, T, Hq, D], lse f32 [B, T, Hq]): also the log-sum-exp of each row over its support (-inf for a row
+  that sees no key), which the KL kernel reuses. lse is a constant for differentiation (its cotangent is dropped)."""
   B, T, Hq, D = q.shape
   S, Hkv = k.shape[1], k.shape[2]
   if interpret is None:
@@ -151,8 +159,9 @@ def _forward(q, k, v, block_idx, offset, seg, cfg):
       pair_pos, o_part, lse_part, B=B, T_pad=T_pad, Hq=Hq, Hkv=Hkv, K=K, TQ=TQ, out_dtype=q.dtype,
       interpret=cfg.interpret, num_warps=cfg.merge_warps, num_stages=cfg.merge_stages)
   out = out[:, :T * Hq].reshape(B, T, Hq, D)
+  lse = lse[:, :T * Hq]
   # k, v are kept unpadded (the backward pads them again) so that the backward knows S from their shapes.
-  return out, (q2, k, v, out, lse[:, :T * Hq], kv_map, pair_pos, offset, segp)
+  return (out, lse.reshape(B, T, Hq)), (q2, k, v, out, lse, kv_map, pair_pos, offset, segp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -164,7 +173,8 @@ def _attention_fwd(q, k, v, block_idx, offset, seg, cfg):
   return _forward(q, k, v, block_idx, offset, seg, cfg)
 
 
-def _attention_bwd(cfg, res, do):
+def _attention_bwd(cfg, res, cotangents):
+  do, _ = cotangents  # lse is a constant
   q2, k, v, out, lse, kv_map, pair_pos, offset, segp = res
   B, T, Hq, D = out.shape
   S, Hkv = k.shape[1], k.shape[2]
