@@ -161,7 +161,7 @@ def components(q, k, v, sel, do, rec, args):
   G, nb, K = HQ // HKV, T // BS, sel.shape[-1]
   cfg = msa_pallas.KernelConfig(block_size=BS, scale=D ** -0.5, interpret=False)
   R, Rb, TQ = cfg.fwd_rows(q.dtype) // G, cfg.bwd_rows_for(q.dtype) // G, cfg.merge_rows // G
-  offset = jnp.zeros((1,), jnp.int32)
+  offset = jnp.zeros((B,), jnp.int32)
   q2, do2 = q.reshape(B, T * HQ, D), do.reshape(B, T * HQ, D)
   mk = jax.jit(lambda s: build_kv_map(s, nb, R * cfg.fwd_steps, pad=max(R, Rb)))
   rec("part_kv_map", timeit(mk, sel, repeat=args.repeat))

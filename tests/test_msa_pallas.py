@@ -259,3 +259,42 @@ def test_kl_loss_and_index_gradients_match_oracle(segmented):
   assert_close(loss2, want, "kl with the attention's lse")
   assert_close(dqi2, dq_idx, "d q_idx, small tiles")
   assert_close(dki2, dk_idx, "d k_idx, small tiles")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sparse_decode: caches of different lengths per row
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_sparse_decode_matches_each_rows_prefix(impl, T):
+  B, S_max, Hq, Hkv, D, bs, topk = 3, 40, 4, 2, 16, 4, 3
+  c = Case("dec", B=B, T=T, S=S_max, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, topk=topk, d_idx=16)
+  x = make_inputs(c, seed=41 + T)
+  lengths = np.array([T + 2, 23, S_max], np.int32)
+  for b, n in enumerate(lengths):  # unwritten cache slots hold huge values: any leak would dominate
+    for name in ("k", "v", "k_idx"):
+      x[name][b, n:] = 1e4
+  out, sel = msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray(lengths),
+                               block_size=bs, topk=topk, implementation=impl)
+  for b, n in enumerate(lengths):
+    row = {name: x[name][b:b + 1] for name in x}
+    want_sel, raw = np_select_blocks(row["q_idx"], row["k_idx"][:, :n], bs, topk, 1, n - T)
+    got_sel = np.asarray(sel[b:b + 1])
+    slots = want_sel.shape[-1]  # a short row has fewer blocks: the rest of its slots must be -1
+    assert (got_sel[..., slots:] == -1).all()
+    assert_selection(got_sel[..., :slots], want_sel, raw, Case("row", B=1, T=T, S=int(n), Hq=Hq, Hkv=Hkv, D=D,
+                                                                 block_size=bs, topk=topk))
+    support = np_support(got_sel, T, S_max, bs, n - T)
+    want = np_attention(row["q"], row["k"], row["v"], support, D ** -0.5)
+    assert np.isfinite(np.asarray(out[b])).all()
+    assert_close(out[b:b + 1], want, f"row {b} (length {n})")
+
+
+def test_sparse_decode_validation():
+  x = make_inputs(Case("v", B=2, T=2, S=16, Hq=4, Hkv=2, D=8, block_size=4, topk=2, d_idx=8))
+  with pytest.raises(ValueError, match="lengths: values in"):
+    msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([1, 16]), block_size=4, topk=2)
+  with pytest.raises(ValueError, match="lengths: expected an integer array"):
+    msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([4.0, 16.0]), block_size=4, topk=2)

@@ -32,7 +32,7 @@ Implementation = Literal["xla", "reference", "pallas"]
 _IMPLEMENTATIONS = ("xla", "reference", "pallas")
 # Ops with a Pallas implementation (on other backends than GPU "pallas" runs in interpret mode), and those for which
 # None resolves to it on a GPU: only kernels that were lowered and measured there.
-_PALLAS_OPS = ("sparse_attention", "select_blocks", "kl_loss")
+_PALLAS_OPS = ("sparse_attention", "select_blocks", "kl_loss", "sparse_decode")
 _PALLAS_DEFAULT_OPS = ("sparse_attention",)
 
 
@@ -312,3 +312,63 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
   fn = _reference.kl_loss if impl == "reference" else _xla.kl_loss
   return fn(q, k, q_idx, k_idx, block_idx, block_size=block_size, scale=scale, index_scale=index_scale,
             q_offset=q_offset, segment_ids=segment_ids)
+
+
+def sparse_decode(q, k_cache, v_cache, q_idx, k_idx_cache, lengths, *, block_size: int, topk: int,
+                  local_blocks: int = 1, scale: float | None = None,
+                  implementation: Implementation | None = None) -> tuple[jax.Array, jax.Array]:
+  """One MSA decoding step for a batch of sequences with caches of different fill levels.
+
+  Args:
+    q: `[B, T, Hq, D]` the T new tokens of each sequence (1 <= T <= 16: one token, or a few speculative / MTP
+      drafts), already written into the caches.
+    k_cache, v_cache: `[B, S_max, Hkv, D]`; k_idx_cache: `[B, S_max, d_idx]` the index keys (one head).
+    q_idx: `[B, T, Hkv, d_idx]` the new tokens' index queries.
+    lengths: `int [B]` filled slots per sequence, the new tokens included: token t of row b sits at slot
+      `lengths[b] - T + t`, and slots >= lengths[b] (unwritten) are never read into the result.
+    block_size, topk, local_blocks, scale: as in select_blocks / sparse_attention.
+    implementation: None (= "xla"), "xla", "reference" or "pallas" (fused selection + query-major attention kernel:
+      interpret mode off the GPU; not yet lowered on a GPU).
+
+  Returns:
+    (out `[B, T, Hq, D]`, block_idx `int32 [B, Hkv, T, min(topk, ceil(S_max / block_size))]`): exactly what
+    select_blocks + sparse_attention give on each row's own cache prefix.
+  """
+  impl = _resolve_implementation(implementation, "sparse_decode")
+  B, T, Hq, D, S, Hkv = _check_qkv(q, k_cache, v_cache)
+  if T > 16:
+    raise ValueError(f"q: shape {tuple(q.shape)} has T={T} new tokens per sequence, expected 1 <= T <= 16 "
+                     "(use select_blocks + sparse_attention with q_offset for chunked prefill)")
+  _check_index(q_idx, k_idx_cache, B, T, Hkv, S)
+  block_size = _check_int("block_size", block_size, minimum=1)
+  topk = _check_int("topk", topk, minimum=1)
+  local_blocks = _check_int("local_blocks", local_blocks, minimum=0)
+  if local_blocks > topk:
+    raise ValueError(f"local_blocks={local_blocks}: expected local_blocks <= topk={topk}")
+  scale = _check_scale("scale", scale)
+  if not hasattr(lengths, "shape") or tuple(lengths.shape) != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"lengths: expected an integer array [B={B}], got "
+                     f"{getattr(lengths, 'shape', type(lengths).__name__)} {getattr(lengths, 'dtype', '')}")
+  try:
+    values = np.asarray(lengths)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    values = None
+  if values is not None and (values.min() < T or values.max() > S):
+    raise ValueError(f"lengths: values in [{values.min()}, {values.max()}], expected T={T} <= lengths <= "
+                     f"S_max={S} (the new tokens are in the cache)")
+  offsets = jnp.asarray(lengths, jnp.int32) - T
+  if impl == "pallas":
+    block_idx = _pallas_select.select_blocks(q_idx, k_idx_cache, block_size=block_size, topk=topk,
+                                             local_blocks=local_blocks, q_offset=offsets)
+    out = _pallas.sparse_attention_query_major(q, k_cache, v_cache, block_idx, block_size=block_size, scale=scale,
+                                               q_offset=offsets)
+    return out, block_idx
+
+  def row(qb, kb, vb, qib, kib, off):
+    sel = select_blocks(qib[None], kib[None], block_size=block_size, topk=topk, local_blocks=local_blocks,
+                        q_offset=off, implementation=impl)
+    out = sparse_attention(qb[None], kb[None], vb[None], sel, block_size=block_size, scale=scale, q_offset=off,
+                           implementation=impl)
+    return out[0], sel[0]
+
+  return jax.vmap(row)(q, k_cache, v_cache, q_idx, k_idx_cache, offsets)

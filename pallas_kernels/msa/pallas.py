@@ -74,6 +74,13 @@ class KernelConfig:
     return self.bwd_rows or (64 if jnp.dtype(dtype).itemsize <= 2 else 32)
 
 
+def row_offsets(q_offset, B: int, S: int, T: int) -> jax.Array:
+  """int32 [B]: the slot of query 0 in each batch row. q_offset: None (S - T), an int, a scalar or a [B] array
+  (decoding with different cache lengths per row); every kernel reads its row's entry."""
+  off = jnp.asarray(S - T if q_offset is None else q_offset, jnp.int32)
+  return jnp.broadcast_to(jnp.reshape(off, (-1,)), (B,))
+
+
 def fits_gpu_kernels(G: int, D: int, block_size: int) -> bool:
   try:
     check_gpu_shapes(G, D, block_size)
@@ -113,7 +120,7 @@ def sparse_attention_with_lse(q, k, v, block_idx, *, block_size: int, scale: flo
     check_gpu_shapes(Hq // Hkv, D, block_size)
   cfg = KernelConfig(block_size=block_size, scale=D ** -0.5 if scale is None else float(scale),
                      interpret=interpret, **knobs)
-  offset = jnp.reshape(jnp.asarray(S - T if q_offset is None else q_offset, jnp.int32), (1,))
+  offset = row_offsets(q_offset, B, S, T)
   seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   return _attention(q, k, v, jnp.asarray(block_idx, jnp.int32), offset, seg, cfg)
 
@@ -218,7 +225,7 @@ def sparse_attention_query_major(q, k, v, block_idx, *, block_size: int, scale: 
   S_pad = nb * block_size
   block_idx = jnp.asarray(block_idx, jnp.int32)
   blocks = jnp.where(_usable_slots(block_idx, nb), block_idx, -1).reshape(B * Hkv, T * K)
-  offset = jnp.reshape(jnp.asarray(S - T if q_offset is None else q_offset, jnp.int32), (1,))
+  offset = row_offsets(q_offset, B, S, T)
   seg = None if segment_ids is None else _pad_keys(jnp.asarray(segment_ids, jnp.int32), S_pad, fill=-1)
   out = pallas_fwd.query_major_forward(
       q.reshape(B, T * Hq, D), _pad_keys(k, S_pad), _pad_keys(v, S_pad), blocks, offset, seg, T=T, G=Hq // Hkv,

@@ -52,7 +52,7 @@ def _dkv_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, k
     lse = lse_ref[b, rows]  # [R*G] f32
     delta = delta_ref[b, rows]
     s = dot(q, k.T) * scale  # [R*G, bs]
-    vis = visible_mask(offset_ref[0] + t, k_pos, row_ok, seg_ref, b, k0, bs)
+    vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
     # A visible key implies a finite lse; the where keeps exp(+inf) of dead rows out of the sums.
     p = jnp.where(vis, jnp.exp(s - lse[:, None]), 0.0)
     dv = dv + dot(p.astype(do.dtype).T, do)  # [bs, D]

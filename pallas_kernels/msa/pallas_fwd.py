@@ -83,7 +83,7 @@ def _partials_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref
     t = sorted_t_ref[bh, first + r]  # [R*G]: query of each row (rows past `count` read a neighbour's, masked)
     q = q_ref[(b, *rows_cols(t * Hq + h * G + g, D))]  # [R*G, D]
     s = dot(q, k.T) * scale  # [R*G, bs]
-    vis = visible_mask(offset_ref[0] + t, k_pos, row_ok, seg_ref, b, k0, bs)
+    vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
     s = jnp.where(vis, s, -jnp.inf)
     m = jnp.max(s, axis=1)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees no key of this block: p = 0, lse = -inf
@@ -185,7 +185,7 @@ def _query_major_kernel(offset_ref, blocks_ref, q_ref, k_ref, v_ref, *refs, G, G
   # Dots need >= 16 rows: groups smaller than that are padded by repeating the last head (not stored).
   rows = t * Hq + h * G + jnp.minimum(i, G - 1)
   q = q_ref[(b, *rows_cols(rows, D))]  # [GP, D]
-  q_pos = jnp.full((GP,), offset_ref[0] + t, jnp.int32)
+  q_pos = jnp.full((GP,), offset_ref[b] + t, jnp.int32)
 
   def slot(s, carry):
     acc, m, l = carry

@@ -74,7 +74,7 @@ def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, s
     first = start + it * R
     row_ok = it * R + r < count
     t = sorted_t_ref[bh, first + r]  # [R]
-    vis = visible_mask(offset_ref[0] + t, k_pos, row_ok, seg_ref, b, k0, bs)
+    vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
     p = _teacher(q_ref, k, lse_ref, b, h, t, vis, G=G, Hq=Hq, D=D, scale=scale)
     z = dot(qi_ref[(b, *rows_cols(t * Hkv + h, di))], ki.T) * index_scale  # [R, bs]
     z = jnp.where(vis, z, -jnp.inf)
@@ -108,7 +108,7 @@ def _grad_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, 
     first = start + it * R
     row_ok = it * R + r < count
     t = sorted_t_ref[bh, first + r]
-    vis = visible_mask(offset_ref[0] + t, k_pos, row_ok, seg_ref, b, k0, bs)
+    vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
     p = _teacher(q_ref, k, lse_ref, b, h, t, vis, G=G, Hq=Hq, D=D, scale=scale)
     qi = qi_ref[(b, *rows_cols(t * Hkv + h, di))]  # [R, di]
     z = dot(qi, ki.T) * index_scale
@@ -181,13 +181,13 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
   cfg = KLConfig(block_size=block_size, scale=D ** -0.5 if scale is None else float(scale),
                  index_scale=q_idx.shape[-1] ** -0.5 if index_scale is None else float(index_scale),
                  interpret=interpret, **knobs)
-  offset = jnp.reshape(jnp.asarray(S - T if q_offset is None else q_offset, jnp.int32), (1,))
+  offset = msa_pallas.row_offsets(q_offset, B, S, T)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   block_idx = jnp.asarray(block_idx, jnp.int32)
   if lse is None:
     # The attention forward over the same support; its output is not needed (v = k keeps the shapes).
     _, lse = msa_pallas.sparse_attention_with_lse(q, k, k, block_idx, block_size=block_size, scale=cfg.scale,
-                                                  q_offset=offset[0], segment_ids=segment_ids, interpret=interpret)
+                                                  q_offset=offset, segment_ids=segment_ids, interpret=interpret)
   lse = jax.lax.stop_gradient(jnp.asarray(lse, jnp.float32)).reshape(B, T * Hq)
   seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
   return _kl(q, k, q_idx, k_idx, block_idx, offset, seg, lse, cfg)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.msa.pallas import row_offsets
 from pallas_kernels.msa.pallas_fwd import _iota, dot, rows_cols
 
 
@@ -40,7 +41,7 @@ def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_r
   d_idx = q_ref.shape[-1]
   t = jnp.minimum(tile * TQ + _iota(TQ), T - 1)  # rows past T repeat the last query (never stored)
   q = q_ref[(b, *rows_cols(t * Hkv + h, d_idx))]  # [TQ, d_idx]
-  q_pos = offset_ref[0] + t  # [TQ]
+  q_pos = offset_ref[b] + t  # [TQ]
   q_block = q_pos // bs
   q_seg = None if seg_ref is None else seg_ref[b, q_pos]
   col = jax.lax.broadcasted_iota(jnp.int32, (TQ, NRP), 1)
@@ -67,7 +68,7 @@ def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_r
   vals = jnp.where(col < n_rest, -jnp.inf, jnp.inf).astype(jnp.float32)
   ids = jnp.full((TQ, NRP), -1, jnp.int32)
   if n_rest > 0:
-    last_block = (offset_ref[0] + jnp.minimum(tile * TQ + TQ - 1, T - 1)) // bs
+    last_block = (offset_ref[b] + jnp.minimum(tile * TQ + TQ - 1, T - 1)) // bs
     vals, ids = jax.lax.fori_loop(0, last_block + 1, block, (vals, ids))
 
   out_col = jax.lax.broadcasted_iota(jnp.int32, (TQ, SP), 1)
@@ -104,7 +105,7 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
   seg = None
   if segment_ids is not None:
     seg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, S_pad - S)), constant_values=-1)
-  offset = jnp.reshape(jnp.asarray(S - T if q_offset is None else q_offset, jnp.int32), (1,))
+  offset = row_offsets(q_offset, B, S, T)
   TQ = min(query_tile, _next_pow2(T)) if interpret else query_tile
   T_pad = -(-T // TQ) * TQ
   SP = _next_pow2(max(slots, 1))
