@@ -1,17 +1,35 @@
 """HF MiniMax-M3 checkpoints (config.json + safetensors) in and out of our NNX text model.
 
+    from m3_jax.interop.hf import load, save
+    model, config = load(path)                 # or load(path, dtype="bfloat16", mesh=mesh)
+    logits, aux = model(input_ids)             # input_ids: int [B, T] -> logits [B, T, vocab]
+    save(model, config, out_dir)               # HF's text layout; load(out_dir) gives the same model back
+
+config.json: the text-only `minimax_m3_vl_text` layout or the full `minimax_m3_vl` one (its `text_config`), with the
+legacy names HF 5.23's `MiniMaxM3VLTextConfig` maps (`sparse_attention_config`, `moe_layer_freq`, `num_experts`,
+top-level `rope_theta` / `partial_rotary_factor`, `rope_scaling`), resolved exactly as HF resolves them.
+
+Tensors: one `model.safetensors` or a sharded set (`model.safetensors.index.json`), in any of three name layouts:
+  hf       `model.*` + `lm_head.weight`: what `MiniMaxM3VLForCausalLM.save_pretrained` writes (the canonical names);
+  hf_vl    `model.language_model.*`: the VL model's text tower as HF holds it in memory;
+  minimax  `language_model.model.*`: MiniMax's release layout, which HF 5.23 also writes for the VL model
+           (`block_sparse_moe`, per-expert w1/w3/w2, split gate_proj/up_proj, `index_{q,k}_proj`).
+Vision tower and projector tensors of a VL checkpoint are refused unless `text_only=True` drops them explicitly.
+
 Our parameters are laid out for einsum and sharding ([in, heads, head_dim], gate/up on their own axis); HF's are
-torch Linear [out, in]. Every tensor has one rule below giving both directions, so load and save are exact
-inverses. Loading streams tensor by tensor onto the target shardings: no host ever holds the whole model.
+torch Linear [out, in]. Every tensor has one `Rule` giving both directions, so load and save are exact inverses.
+Loading streams tensor by tensor onto the target shardings: with a mesh, each device's shard is sliced out of the
+memory-mapped file, so no host ever holds the whole model (and, in the hf layouts, not even a whole tensor).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,24 +42,132 @@ from m3_jax.models.transformer import TextModel
 
 # Keys HF itself drops on load (multi-token-prediction heads are not part of the causal LM).
 IGNORED = (re.compile(r"(^|\.)mtp\."),)
+# Vision tower / projector tensors of a `minimax_m3_vl` checkpoint (both the release and HF's in-memory names).
+VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
+LAYOUTS = ("hf", "hf_vl", "minimax")
+MODEL_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
+HF_DEFAULT_THETA = 5_000_000.0  # MiniMaxM3VLTextConfig.default_theta
 
+
+# ---- config.json ------------------------------------------------------------------------------------------------
+
+# TextConfig fields that come from config.json under the same name (HF's class defaults equal ours for all of
+# them; layer_types, mlp_layer_types, rotary_dim and rope_theta are resolved below).
+_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rms_norm_eps", "dense_intermediate_size", "intermediate_size", "shared_intermediate_size",
+              "num_local_experts", "num_experts_per_tok", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit",
+              "tie_word_embeddings", "initializer_range", "index_n_heads", "index_head_dim", "index_block_size",
+              "index_topk_blocks", "index_local_blocks", "router_aux_loss_coef")
+_LEGACY_SPARSE = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+                  "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+                  "index_local_blocks": "sparse_local_block"}
+
+
+def _text_part(raw: dict, where: str) -> dict:
+  mt = raw.get("model_type")
+  if mt not in MODEL_TYPES + (None,):
+    raise ValueError(f"{where}: model_type {mt!r} is not a MiniMax-M3 model; expected one of {MODEL_TYPES}")
+  if mt == "minimax_m3_vl" or "text_config" in raw:
+    return dict(raw.get("text_config") or {})  # HF builds the text config from class defaults when it is null
+  return dict(raw)
+
+
+def resolve_text_config(raw: dict, where: str = "config.json") -> dict:
+  """The text model's settings as HF 5.23 resolves them (MiniMaxM3VLTextConfig.__post_init__ and the RoPE
+  standardisation of PreTrainedConfig), as TextConfig keyword arguments."""
+  t = _text_part(raw, where)
+  if "num_experts" in t:  # HF's attribute_map alias
+    if "num_local_experts" in t and t["num_local_experts"] != t["num_experts"]:
+      raise ValueError(f"{where}: num_experts={t['num_experts']} and num_local_experts={t['num_local_experts']} "
+                       "disagree")
+    t["num_local_experts"] = t.pop("num_experts")
+  kw = {k: t[k] for k in _HF_FIELDS if k in t and t[k] is not None}
+  # The legacy block overrides the flat index_* fields (HF applies it after the dataclass fields).
+  legacy = t.get("sparse_attention_config") or {}
+  for ours, theirs in _LEGACY_SPARSE.items():
+    if theirs in legacy:
+      kw[ours] = legacy[theirs]
+  n = int(kw.get("num_hidden_layers", TextConfig.num_hidden_layers))
+  layer_types = t.get("layer_types")
+  if layer_types is None and "sparse_attention_freq" in legacy:
+    layer_types = ["minimax_m3_sparse" if f else "full_attention" for f in legacy["sparse_attention_freq"]]
+  kw["layer_types"] = layer_types if layer_types is not None else ["full_attention"] * n
+  mlp_types = t.get("mlp_layer_types")
+  if mlp_types is None and t.get("moe_layer_freq") is not None:
+    mlp_types = ["sparse" if f else "dense" for f in t["moe_layer_freq"]]
+  kw["mlp_layer_types"] = mlp_types if mlp_types is not None else ["sparse"] * n
+  # RoPE: `rope_scaling` (legacy) replaces rope_parameters; top-level rope_theta / partial_rotary_factor only fill
+  # what the dict lacks. HF's modeling code reads the rotated width from partial_rotary_factor alone (a missing
+  # factor rotates the whole head; the `rotary_dim` field is never read), so we follow what HF computes.
+  rope = dict(t.get("rope_scaling") or t.get("rope_parameters") or {})
+  if any(isinstance(v, dict) for v in rope.values()):
+    raise ValueError(f"{where}: per-layer-type rope_parameters {sorted(rope)} are not supported by MiniMax-M3")
+  rope.setdefault("rope_theta", t.get("rope_theta", HF_DEFAULT_THETA))
+  if t.get("partial_rotary_factor") is not None:
+    rope.setdefault("partial_rotary_factor", t["partial_rotary_factor"])
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise ValueError(f"{where}: rope_type {rope_type!r} is not supported; MiniMax-M3 uses 'default' RoPE")
+  head_dim = int(kw.get("head_dim", TextConfig.head_dim))
+  kw["rotary_dim"] = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+  kw["rope_theta"] = float(rope["rope_theta"])
+  return kw
+
+
+def _stored_dtype(raw: dict) -> str | None:
+  for d in (raw.get("text_config") or {}, raw):
+    v = d.get("dtype", d.get("torch_dtype"))
+    if isinstance(v, str) and v != "auto":
+      return v
+  return None
+
+
+def read_config(path: str | dict, **overrides) -> TextConfig:
+  """TextConfig from a checkpoint directory, a config.json path or its parsed dict; `overrides` set our own
+  fields (dtype, param_dtype, attention_impl, moe_impl, ...) or replace HF ones."""
+  raw, where = _raw_config(path)
+  return TextConfig(**{**resolve_text_config(raw, where), **overrides})
+
+
+def _raw_config(path: str | dict) -> tuple[dict, str]:
+  if isinstance(path, dict):
+    return path, "config"
+  file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.exists(file):
+    raise FileNotFoundError(f"{path}: no config.json")
+  with open(file) as f:
+    return json.load(f), file
+
+
+def hf_config_dict(cfg: TextConfig) -> dict:
+  """config.json for a text model (HF field names; partial_rotary_factor is what HF's code reads)."""
+  d = {k: getattr(cfg, k) for k in _HF_FIELDS}
+  d.update(layer_types=list(cfg.layer_types), mlp_layer_types=list(cfg.mlp_layer_types), rotary_dim=cfg.rotary_dim,
+           rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim},
+           model_type="minimax_m3_vl_text", architectures=["MiniMaxM3VLForCausalLM"], dtype=cfg.param_dtype)
+  return d
+
+
+# ---- tensor rules -----------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
   ours: tuple  # path in nnx.to_pure_dict(state)
-  hf: str
-  to_ours: Callable[[np.ndarray], np.ndarray]
+  hf: str  # canonical name (the `hf` layout)
+  hf_shape: tuple[int, ...]
+  to_ours: Callable[[np.ndarray], np.ndarray]  # numpy views only: slicing the result reads only that slice
   to_hf: Callable[[np.ndarray], np.ndarray]
 
 
-def _linear(shape_ours: tuple[int, ...]) -> tuple[Callable, Callable]:
-  """HF [out, in] <-> ours [in, *out_dims] (q/k/v projections, router, lm_head, down projections)."""
-  return (lambda w: w.T.reshape(shape_ours)), (lambda w: w.reshape(shape_ours[0], -1).T)
+def _linear(d: int, *out: int) -> tuple[Callable, Callable]:
+  """HF [prod(out), d] <-> ours [d, *out] (q/k/v projections, index projections)."""
+  return (lambda w: w.T.reshape(d, *out)), (lambda w: w.reshape(d, -1).T)
 
 
-def _out_proj(shape_ours: tuple[int, ...]) -> tuple[Callable, Callable]:
-  """HF [out, in] <-> ours [*in_dims, out] (o_proj: [Hq, D, d])."""
-  return (lambda w: w.T.reshape(shape_ours)), (lambda w: w.reshape(-1, shape_ours[-1]).T)
+def _out_proj(hq: int, hd: int) -> tuple[Callable, Callable]:
+  """HF [d, Hq * D] <-> ours [Hq, D, d] (o_proj)."""
+  return (lambda w: w.T.reshape(hq, hd, -1)), (lambda w: w.reshape(hq * hd, -1).T)
 
 
 def _gate_up(d: int, i: int) -> tuple[Callable, Callable]:
@@ -63,50 +189,185 @@ def _transpose_last2():
   return (lambda w: np.swapaxes(w, -1, -2)), (lambda w: np.swapaxes(w, -1, -2))
 
 
-def rules(cfg: TextConfig, prefix: str = "model.", head: str = "lm_head.weight") -> list[Rule]:
-  d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-  out = [Rule(("embed_tokens",), prefix + "embed_tokens.weight", *_same()),
-         Rule(("norm", "weight"), prefix + "norm.weight", *_same()),
-         Rule(("lm_head",), head, *_transpose_last2())]
+def rules(cfg: TextConfig) -> list[Rule]:
+  """One rule per tensor of the text model, in canonical (`hf` layout) names."""
+  d, hq, hkv, hd, v = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
+  out = [Rule(("embed_tokens",), "model.embed_tokens.weight", (v, d), *_same()),
+         Rule(("norm", "weight"), "model.norm.weight", (d,), *_same()),
+         Rule(("lm_head",), "lm_head.weight", (v, d), *_transpose_last2())]
   for li, (lt, mt) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
-    p, L = f"{prefix}layers.{li}.", ("layers", li)
-    out += [Rule(L + ("input_layernorm", "weight"), p + "input_layernorm.weight", *_same()),
-            Rule(L + ("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", *_same()),
-            Rule(L + ("self_attn", "q_proj"), p + "self_attn.q_proj.weight", *_linear((d, hq, hd))),
-            Rule(L + ("self_attn", "k_proj"), p + "self_attn.k_proj.weight", *_linear((d, hkv, hd))),
-            Rule(L + ("self_attn", "v_proj"), p + "self_attn.v_proj.weight", *_linear((d, hkv, hd))),
-            Rule(L + ("self_attn", "o_proj"), p + "self_attn.o_proj.weight", *_out_proj((hq, hd, d))),
-            Rule(L + ("self_attn", "q_norm", "weight"), p + "self_attn.q_norm.weight", *_same()),
-            Rule(L + ("self_attn", "k_norm", "weight"), p + "self_attn.k_norm.weight", *_same())]
+    p, L = f"model.layers.{li}.", ("layers", li)
+    out += [Rule(L + ("input_layernorm", "weight"), p + "input_layernorm.weight", (d,), *_same()),
+            Rule(L + ("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", (d,), *_same()),
+            Rule(L + ("self_attn", "q_proj"), p + "self_attn.q_proj.weight", (hq * hd, d), *_linear(d, hq, hd)),
+            Rule(L + ("self_attn", "k_proj"), p + "self_attn.k_proj.weight", (hkv * hd, d), *_linear(d, hkv, hd)),
+            Rule(L + ("self_attn", "v_proj"), p + "self_attn.v_proj.weight", (hkv * hd, d), *_linear(d, hkv, hd)),
+            Rule(L + ("self_attn", "o_proj"), p + "self_attn.o_proj.weight", (d, hq * hd), *_out_proj(hq, hd)),
+            Rule(L + ("self_attn", "q_norm", "weight"), p + "self_attn.q_norm.weight", (hd,), *_same()),
+            Rule(L + ("self_attn", "k_norm", "weight"), p + "self_attn.k_norm.weight", (hd,), *_same())]
     if lt == "minimax_m3_sparse":
       hi, di = cfg.index_n_heads, cfg.index_head_dim
       ix, IX = p + "self_attn.indexer.", L + ("self_attn", "indexer")
-      out += [Rule(IX + ("q_proj",), ix + "q_proj.weight", *_linear((d, hi, di))),
-              Rule(IX + ("k_proj",), ix + "k_proj.weight", *_linear((d, di))),
-              Rule(IX + ("q_norm", "weight"), ix + "q_norm.weight", *_same()),
-              Rule(IX + ("k_norm", "weight"), ix + "k_norm.weight", *_same())]
+      out += [Rule(IX + ("q_proj",), ix + "q_proj.weight", (hi * di, d), *_linear(d, hi, di)),
+              Rule(IX + ("k_proj",), ix + "k_proj.weight", (di, d), *_linear(d, di)),
+              Rule(IX + ("q_norm", "weight"), ix + "q_norm.weight", (di,), *_same()),
+              Rule(IX + ("k_norm", "weight"), ix + "k_norm.weight", (di,), *_same())]
     M = L + ("mlp",)
     if mt == "dense":
-      out += [Rule(M + ("gate_up",), p + "mlp.gate_up_proj.weight", *_gate_up(d, cfg.dense_intermediate_size)),
-              Rule(M + ("down",), p + "mlp.down_proj.weight", *_transpose_last2())]
+      di = cfg.dense_intermediate_size
+      out += [Rule(M + ("gate_up",), p + "mlp.gate_up_proj.weight", (2 * di, d), *_gate_up(d, di)),
+              Rule(M + ("down",), p + "mlp.down_proj.weight", (d, di), *_transpose_last2())]
     else:
       e, i, si = cfg.num_local_experts, cfg.intermediate_size, cfg.shared_intermediate_size
-      out += [Rule(M + ("router",), p + "mlp.gate.weight", *_transpose_last2()),
-              Rule(M + ("e_score_correction_bias",), p + "mlp.gate.e_score_correction_bias", *_same()),
-              Rule(M + ("gate_up",), p + "mlp.experts.gate_up_proj", *_experts_gate_up(e, d, i)),
-              Rule(M + ("down",), p + "mlp.experts.down_proj", *_transpose_last2()),
-              Rule(M + ("shared", "gate_up"), p + "mlp.shared_experts.gate_up_proj.weight", *_gate_up(d, si)),
-              Rule(M + ("shared", "down"), p + "mlp.shared_experts.down_proj.weight", *_transpose_last2())]
+      out += [Rule(M + ("router",), p + "mlp.gate.weight", (e, d), *_transpose_last2()),
+              Rule(M + ("e_score_correction_bias",), p + "mlp.gate.e_score_correction_bias", (e,), *_same()),
+              Rule(M + ("gate_up",), p + "mlp.experts.gate_up_proj", (e, 2 * i, d), *_experts_gate_up(e, d, i)),
+              Rule(M + ("down",), p + "mlp.experts.down_proj", (e, d, i), *_transpose_last2()),
+              Rule(M + ("shared", "gate_up"), p + "mlp.shared_experts.gate_up_proj.weight", (2 * si, d),
+                   *_gate_up(d, si)),
+              Rule(M + ("shared", "down"), p + "mlp.shared_experts.down_proj.weight", (d, si), *_transpose_last2())]
   return out
 
 
-def read_config(path: str, **overrides) -> TextConfig:
-  with open(os.path.join(path, "config.json")) as f:
-    raw = json.load(f)
-  mt = raw.get("model_type")
-  if mt not in ("minimax_m3_vl_text", "minimax_m3_vl", None):
-    raise ValueError(f"{path}/config.json: model_type {mt!r} is not a MiniMax-M3 model")
-  return TextConfig.from_hf_dict(raw, **overrides)
+# ---- name layouts -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """How one canonical tensor is stored: a single tensor (`one`), gate/up halves concatenated on dim 0 (`cat`),
+  per-expert tensors stacked on a new dim 0 (`stack`), or per-expert gate/up pairs (`stack_cat`, parts ordered
+  w1_0, w3_0, w1_1, ...)."""
+  kind: str
+  parts: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of every stored tensor
+
+  @property
+  def names(self) -> list[str]:
+    return [n for n, _ in self.parts]
+
+  def assemble(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    if self.kind == "one":
+      return arrays[0]
+    if self.kind == "cat":
+      return np.concatenate(arrays, axis=0)
+    if self.kind == "stack":
+      return np.stack(arrays)
+    return np.stack([np.concatenate(arrays[j:j + 2], axis=0) for j in range(0, len(arrays), 2)])
+
+  def split(self, x: np.ndarray) -> list[np.ndarray]:
+    if self.kind == "one":
+      return [x]
+    if self.kind == "cat":
+      return list(np.split(x, 2, axis=0))
+    if self.kind == "stack":
+      return list(x)
+    return [half for e in x for half in np.split(e, 2, axis=0)]
+
+
+def _minimax_name(name: str) -> str:
+  if name == "lm_head.weight":
+    return "language_model.lm_head.weight"
+  name = "language_model." + name
+  name = re.sub(r"\.mlp\.gate\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction_bias", name)
+  name = re.sub(r"\.mlp\.(gate|experts|shared_experts)\.", r".block_sparse_moe.\1.", name)
+  return re.sub(r"\.self_attn\.indexer\.(q_proj|k_proj|q_norm|k_norm)\.", r".self_attn.index_\1.", name)
+
+
+def source(rule: Rule, layout: str) -> Source:
+  """Where the canonical tensor of `rule` is stored in `layout`."""
+  name, shape = rule.hf, rule.hf_shape
+  if layout == "hf":
+    return Source("one", ((name, shape),))
+  if layout == "hf_vl":
+    return Source("one", ((name.replace("model.", "model.language_model.", 1) if name.startswith("model.")
+                           else name, shape),))
+  if layout != "minimax":
+    raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}")
+  mm = _minimax_name(name)
+  if name.endswith("experts.gate_up_proj"):  # [E, 2I, d] <- w1 (gate) and w3 (up) of every expert, [I, d] each
+    e, i2, d = shape
+    base = mm[:-len("gate_up_proj")]
+    return Source("stack_cat", tuple((f"{base}{x}.{w}.weight", (i2 // 2, d)) for x in range(e) for w in ("w1", "w3")))
+  if name.endswith("experts.down_proj"):  # [E, d, I] <- w2 of every expert, [d, I] each
+    base = mm[:-len("down_proj")]
+    return Source("stack", tuple((f"{base}{x}.w2.weight", shape[1:]) for x in range(shape[0])))
+  if name.endswith("gate_up_proj.weight"):  # [2I, d] <- gate_proj and up_proj, [I, d] each
+    base = mm[:-len("gate_up_proj.weight")]
+    half = (shape[0] // 2, shape[1])
+    return Source("cat", ((base + "gate_proj.weight", half), (base + "up_proj.weight", half)))
+  return Source("one", ((mm, shape),))
+
+
+def detect_layout(names: Sequence[str]) -> str:
+  names = list(names)
+  if any(n.startswith("language_model.model.") for n in names):
+    return "minimax"
+  if any(n.startswith("model.language_model.") for n in names):
+    return "hf_vl"
+  if any(n.startswith("model.layers.") or n == "model.embed_tokens.weight" for n in names):
+    return "hf"
+  raise ValueError(f"no MiniMax-M3 text tensors among {sorted(names)[:8]}{' ...' if len(names) > 8 else ''}; "
+                   "expected names under model.*, model.language_model.* or language_model.model.*")
+
+
+# ---- the load plan: every tensor, its target and its sharding ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+  rule: Rule
+  source: Source
+  shape: tuple[int, ...]  # ours
+  dtype: Any
+  logical_axes: tuple | None
+  sharding: Any  # NamedSharding or None (no mesh)
+
+  @property
+  def ours(self) -> str:
+    return "/".join(map(str, self.rule.ours))
+
+  @property
+  def kind(self) -> str:
+    return re.sub(r"\.layers\.\d+\.", ".layers.*.", self.rule.hf)
+
+  def shard_shape(self) -> tuple[int, ...]:
+    return tuple(self.shape) if self.sharding is None else tuple(self.sharding.shard_shape(self.shape))
+
+  def bytes_global(self) -> int:
+    return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+  def bytes_by_device(self) -> dict[Any, int]:
+    """Bytes each device holds, from the sharding's index map (replicas count on every device)."""
+    item = jnp.dtype(self.dtype).itemsize
+    if self.sharding is None:
+      return {None: self.bytes_global()}
+    out = {}
+    for dev, idx in self.sharding.devices_indices_map(tuple(self.shape)).items():
+      out[dev] = item * math.prod(len(range(*s.indices(n))) for s, n in zip(idx, self.shape))
+    return out
+
+
+@dataclasses.dataclass
+class LoadPlan:
+  config: TextConfig
+  layout: str
+  mesh: Any
+  entries: list[PlanEntry]
+  graphdef: Any
+  state: Any  # the abstract nnx.State the entries fill
+
+  def bytes_per_device(self) -> dict[Any, int]:
+    total: dict[Any, int] = {}
+    for e in self.entries:
+      for dev, b in e.bytes_by_device().items():
+        total[dev] = total.get(dev, 0) + b
+    return total
+
+  def abstract_model(self) -> TextModel:
+    """The model with ShapeDtypeStruct leaves that carry their target shardings (nothing is allocated)."""
+    pure = nnx.to_pure_dict(self.state)
+    for e in self.entries:
+      _set(pure, e.rule.ours, jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=e.sharding))
+    state = jax.tree.map(lambda x: x, self.state)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(self.graphdef, state)
 
 
 def _get(tree: dict, path: tuple):
@@ -121,70 +382,188 @@ def _set(tree: dict, path: tuple, value) -> None:
   tree[path[-1]] = value
 
 
-def load(path: str, *, dtype: str | None = None, mesh=None, **overrides) -> tuple[TextModel, TextConfig]:
-  """Loads an HF MiniMax-M3 text checkpoint directory. Returns (model, config); `model(input_ids)` gives
-  (logits [B, T, vocab], aux). dtype: compute dtype (params keep the stored precision unless param_dtype is
-  overridden). mesh: place every tensor straight onto its sharding on this mesh."""
-  cfg = read_config(path, **({"dtype": dtype} if dtype else {}), **overrides)
-  ckpt = safetensors_io.Checkpoint(path)
-  names = set(ckpt.names)
-  prefix = "model."
-  if not any(n.startswith("model.layers.") for n in names) and any(
-      n.startswith("model.language_model.") for n in names):
-    prefix = "model.language_model."
-  rs = rules(cfg, prefix=prefix)
+def plan(cfg: TextConfig, mesh=None, *, layout: str = "hf") -> LoadPlan:
+  """Every tensor of `cfg`'s text model: its stored name(s) in `layout`, our path, shape, dtype and (with a mesh)
+  the sharding it is loaded onto. Shape-only: nothing is read or allocated."""
   abstract = nnx.eval_shape(lambda: TextModel(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
-  pure = nnx.to_pure_dict(state)
+  flat = {k: v for k, v in nnx.to_flat_state(state)}
   shardings = None
   if mesh is not None:
     from m3_jax.train.sharding import state_shardings  # noqa: PLC0415
-    shardings = nnx.to_pure_dict(state_shardings(state, mesh))
-  missing = [r.hf for r in rs if r.hf not in names]
-  expected = {r.hf for r in rs}
-  unexpected = sorted(n for n in names - expected if not any(p.search(n) for p in IGNORED))
-  if missing or unexpected:
-    raise ValueError(f"{path}: checkpoint does not match config: missing {missing[:20]}"
-                     f"{' ...' if len(missing) > 20 else ''}, unexpected {unexpected[:20]}"
-                     f"{' ...' if len(unexpected) > 20 else ''}")
-  for r in rs:
-    want = _get(pure, r.ours)
-    w = ckpt.get(r.hf)
-    try:
-      arr = r.to_ours(np.asarray(w))
-    except ValueError as e:
-      raise ValueError(f"{path}: tensor {r.hf} has shape {tuple(w.shape)}, which does not fit our "
-                       f"{'/'.join(map(str, r.ours))} of shape {tuple(want.shape)}") from e
-    if tuple(arr.shape) != tuple(want.shape):
-      raise ValueError(f"{path}: tensor {r.hf} has shape {tuple(w.shape)}; expected a tensor mapping to "
-                       f"{'/'.join(map(str, r.ours))} of shape {tuple(want.shape)}")
-    arr = arr.astype(want.dtype)
-    _set(pure, r.ours, jax.device_put(arr, _get(shardings, r.ours)) if shardings else jnp.asarray(arr))
-  nnx.replace_by_pure_dict(state, pure)
-  return nnx.merge(graphdef, state), cfg
+    shardings = {k: v for k, v in nnx.to_flat_state(state_shardings(state, mesh))}
+  entries, seen = [], set()
+  for r in rules(cfg):
+    if r.ours not in flat:
+      raise AssertionError(f"rule for {r.hf} targets {r.ours}, which the model does not have")
+    var = flat[r.ours]
+    val = var.get_value()
+    sh = None if shardings is None else shardings[r.ours].get_value()
+    entries.append(PlanEntry(r, source(r, layout), tuple(val.shape), val.dtype, var.get_metadata().get("logical_axes"),
+                             sh))
+    seen.add(r.ours)
+  uncovered = sorted("/".join(map(str, k)) for k in flat if k not in seen)
+  if uncovered:  # a model variable no checkpoint tensor fills would stay uninitialised
+    raise AssertionError(f"no HF tensor maps to our {uncovered}")
+  return LoadPlan(cfg, layout, mesh, entries, graphdef, state)
 
 
-def hf_config_dict(cfg: TextConfig) -> dict:
-  """config.json for a text model (HF field names; partial_rotary_factor is what HF's code reads)."""
-  d = {k: v for k, v in cfg.to_dict().items()
-       if k not in ("attention_impl", "moe_impl", "dtype", "param_dtype", "remat")}
-  d["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                          "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim}
-  d["model_type"] = "minimax_m3_vl_text"
-  d["architectures"] = ["MiniMaxM3VLForCausalLM"]
-  return d
+def _check_names(path: str, entries: list[PlanEntry], shapes: dict[str, tuple], *, text_only: bool) -> None:
+  """One error listing every missing, unexpected and mis-shaped tensor."""
+  expected = {n: (s, e) for e in entries for n, s in e.source.parts}
+  missing = [n for n in expected if n not in shapes]
+  vision = [n for n in shapes if VISION.search(n)]
+  unexpected = sorted(n for n in shapes if n not in expected and not any(p.search(n) for p in IGNORED)
+                      and not (text_only and VISION.search(n)))
+  misshaped = [f"{n} has shape {tuple(shapes[n])}, expected {tuple(s)} (for our {e.ours} of shape {e.shape})"
+               for n, (s, e) in expected.items() if n in shapes and tuple(shapes[n]) != tuple(s)]
+  if not (missing or unexpected or misshaped):
+    return
+
+  def few(xs):
+    return f"{xs[:20]}{f' ... ({len(xs)} in all)' if len(xs) > 20 else ''}"
+
+  msg = [f"{path}: checkpoint does not match its config.json:"]
+  if missing:
+    msg.append(f"missing {few(missing)}")
+  if unexpected:
+    msg.append(f"unexpected {few(unexpected)}")
+    if vision and not text_only:
+      msg.append(f"({len(vision)} of them are vision tower / projector tensors of a VL checkpoint: pass "
+                 "text_only=True to load only its text tower)")
+  if misshaped:
+    msg.append("mis-shaped: " + "; ".join(misshaped[:20]))
+  raise ValueError("\n  ".join(msg))
 
 
-def save(model: TextModel, config: TextConfig, path: str, *, dtype: str | None = None) -> None:
-  """Writes config.json + model.safetensors in HF's text layout (the inverse of `load`)."""
+def _resolve(path: str, dtype: str | None, overrides: dict) -> TextConfig:
+  raw, where = _raw_config(path)
+  kw = resolve_text_config(raw, where)
+  # dtype=None keeps the checkpoint's precision (HF's dtype="auto"): parameters and compute in the stored dtype.
+  dt = dtype or _stored_dtype(raw)
+  if dt is not None:
+    dt = jnp.dtype(dt).name
+    kw.update(dtype=dt, param_dtype=dt)
+  kw.update(overrides)
+  return TextConfig(**kw)
+
+
+def load_plan(path: str, dtype: str | None = None, mesh=None, *, text_only: bool = False,
+              **overrides) -> LoadPlan:
+  """Reads config.json and the safetensors headers only (no tensor data) and checks every stored name and shape
+  against the config: the plan `load` executes. Arguments as for `load`."""
+  cfg = _resolve(path, dtype, overrides)
+  ckpt = safetensors_io.Checkpoint(path)
+  p = plan(cfg, mesh, layout=detect_layout(ckpt.names))
+  _check_names(path, p.entries, {n: ckpt.shape(n) for n in ckpt.names}, text_only=text_only)
+  return p
+
+
+def load(path: str, dtype: str | None = None, mesh=None, *, text_only: bool = False, abstract: bool = False,
+         **overrides) -> tuple[TextModel, TextConfig]:
+  """Loads an HF MiniMax-M3 checkpoint directory. Returns (model, config); `model(input_ids)` with input_ids an
+  int array [B, T] gives (logits [B, T, vocab] f32, aux).
+
+  dtype: parameter and compute dtype (None: config.json's `dtype`, i.e. the stored precision, as HF's
+    dtype="auto"; float32 if the file names none).
+  mesh: place every tensor straight onto its sharding on this mesh (each device reads only its shard).
+  text_only: load the text tower of a `minimax_m3_vl` checkpoint, dropping its vision tensors.
+  abstract: read config.json and the safetensors headers only; the model's leaves are ShapeDtypeStructs carrying
+    the shardings they would be loaded onto (`load_plan` gives the per-tensor table). Works on a shape-only
+    checkpoint (`abstract_checkpoint`).
+  overrides: TextConfig fields (attention_impl, moe_impl, param_dtype, ...).
+  """
+  p = load_plan(path, dtype, mesh, text_only=text_only, **overrides)
+  if abstract:
+    return p.abstract_model(), p.config
+  ckpt = safetensors_io.Checkpoint(path)
+  pure = nnx.to_pure_dict(p.state)
+  for e in p.entries:
+    view = e.rule.to_ours(_canonical(ckpt, e.source))
+    assert tuple(view.shape) == e.shape, (e.rule.hf, view.shape, e.shape)
+    _set(pure, e.rule.ours, _place(view, e.dtype, e.sharding))
+  nnx.replace_by_pure_dict(p.state, pure)
+  return nnx.merge(p.graphdef, p.state), p.config
+
+
+def abstract_checkpoint(cfg: TextConfig, path: str, *, layout: str = "hf", dtype: str = "bfloat16") -> None:
+  """Writes a shape-only checkpoint of `cfg`: config.json + a safetensors header naming every tensor (in `layout`)
+  with its shape, and no data. `load(path, mesh=..., abstract=True)` and `load_plan` read it like the real one."""
+  os.makedirs(path, exist_ok=True)
+  specs = {}
+  for r in rules(cfg):
+    for name, shape in source(r, layout).parts:
+      specs[name] = (jnp.dtype(dtype), shape)
+  safetensors_io.write_header(os.path.join(path, "model.safetensors"), specs, metadata={"format": "pt"})
+  d = hf_config_dict(cfg)
+  d["dtype"] = jnp.dtype(dtype).name
+  if layout != "hf":  # the VL layouts come with the VL config; its text part is what we read
+    d = {"model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+         "text_config": d}
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(d, f, indent=2)
+
+
+def _canonical(ckpt: safetensors_io.Checkpoint, src: Source) -> np.ndarray:
+  """The canonical tensor: a view of the memory map for single tensors; composites are assembled in host memory
+  (one tensor at a time)."""
+  return src.assemble([ckpt.get(n) for n in src.names])
+
+
+def _place(view: np.ndarray, dtype, sharding) -> jax.Array:
+  if sharding is None:
+    return jnp.asarray(np.asarray(view).astype(dtype))
+  # Each addressable device gets its own slice of the (lazy) view: a host reads only the bytes its devices hold.
+  return jax.make_array_from_callback(tuple(view.shape), sharding,
+                                      lambda idx: np.ascontiguousarray(view[idx]).astype(dtype))
+
+
+# ---- save -------------------------------------------------------------------------------------------------------
+
+def save(model: TextModel, config: TextConfig, path: str, *, dtype: str | None = None,
+         max_shard_size: int | None = None) -> None:
+  """Writes config.json + safetensors in HF's text layout (`MiniMaxM3VLForCausalLM`), the inverse of `load`.
+
+  dtype: cast floating tensors (default: as held). max_shard_size: bytes per file; above it the tensors go to
+  `model-0000i-of-0000n.safetensors` files with a `model.safetensors.index.json`, like HF's save_pretrained.
+  Tensors are gathered to this host one at a time; the writer runs on one process.
+  """
   os.makedirs(path, exist_ok=True)
   pure = nnx.to_pure_dict(nnx.state(model))
   tensors = []
   for r in rules(config):
     arr = np.asarray(jax.device_get(_get(pure, r.ours)))
-    if dtype is not None and np.issubdtype(arr.dtype, np.floating):
+    if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
       arr = arr.astype(jnp.dtype(dtype))
-    tensors.append((r.hf, np.ascontiguousarray(r.to_hf(arr))))
-  safetensors_io.write(os.path.join(path, "model.safetensors"), tensors, metadata={"format": "pt"})
+    hf_arr = np.ascontiguousarray(r.to_hf(arr))
+    if tuple(hf_arr.shape) != r.hf_shape:
+      raise AssertionError(f"{r.hf}: wrote shape {hf_arr.shape}, expected {r.hf_shape}")
+    tensors.append((r.hf, hf_arr))
+  for stale in os.listdir(path):  # a previous save's files would shadow or mix with this one's
+    if stale in ("model.safetensors", "model.safetensors.index.json") or re.fullmatch(
+        r"model-\d+-of-\d+\.safetensors", stale):
+      os.remove(os.path.join(path, stale))
+  shards: list[list] = [[]]
+  size = 0
+  for name, arr in tensors:
+    if max_shard_size is not None and shards[-1] and size + arr.nbytes > max_shard_size:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, arr))
+    size += arr.nbytes
+  if len(shards) == 1:
+    safetensors_io.write(os.path.join(path, "model.safetensors"), shards[0], metadata={"format": "pt"})
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      safetensors_io.write(os.path.join(path, fn), shard, metadata={"format": "pt"})
+      weight_map.update({name: fn for name, _ in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": sum(a.nbytes for _, a in tensors)}, "weight_map": weight_map}, f,
+                indent=2)
+  cfg_dict = hf_config_dict(config)
+  if dtype is not None:
+    cfg_dict["dtype"] = jnp.dtype(dtype).name
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf_config_dict(config), f, indent=2)
+    json.dump(cfg_dict, f, indent=2)

@@ -41,13 +41,19 @@ class SafetensorsFile:
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self.header[name]["shape"])
 
+  def dtype(self, name: str) -> str:
+    return self.header[name]["dtype"]
+
   def get(self, name: str) -> np.ndarray:
     info = self.header[name]
     if info["dtype"] not in _DTYPES:
       raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+    start, end = info["data_offsets"]
     if self._mm is None:
       self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-    start, end = info["data_offsets"]
+    if self._base + end > len(self._mm):
+      raise ValueError(f"{self.path}: tensor {name} ends at byte {self._base + end} but the file has {len(self._mm)} "
+                       "bytes (truncated, or a shape-only checkpoint written by write_header)")
     raw = self._mm[self._base + start:self._base + end]
     return np.frombuffer(raw, dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
 
@@ -76,26 +82,47 @@ class Checkpoint:
   def shape(self, name: str) -> tuple[int, ...]:
     return self._where[name].shape(name)
 
+  def dtype(self, name: str) -> str:
+    return self._where[name].dtype(name)
+
   def get(self, name: str) -> np.ndarray:
     return self._where[name].get(name)
 
 
-def write(path: str, tensors: Mapping[str, np.ndarray] | Iterator[tuple[str, np.ndarray]],
-          metadata: Mapping[str, str] | None = None) -> None:
-  items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+def _header(specs: list[tuple[str, str, tuple[int, ...], int]], metadata) -> bytes:
+  """specs: (name, safetensors dtype, shape, nbytes) in file order."""
   header, offset = {}, 0
-  for name, arr in items:
-    arr = np.asarray(arr)
-    if arr.dtype not in _NAMES:
-      raise ValueError(f"tensor {name}: dtype {arr.dtype} cannot be written to safetensors")
-    header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
+  for name, dt, shape, nbytes in specs:
+    header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
   if metadata:
     header["__metadata__"] = dict(metadata)
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+  return struct.pack("<Q", len(blob)) + blob
+
+
+def write_header(path: str, specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+                 metadata: Mapping[str, str] | None = None) -> None:
+  """A shape-only safetensors file: the header of `specs` {name: (dtype, shape)} without the data section. Readers
+  see every name, dtype and shape; `get` raises. Used to plan loading a checkpoint that is not on this machine."""
+  rows = []
+  for name, (dt, shape) in specs.items():
+    dt = np.dtype(dt)
+    if dt not in _NAMES:
+      raise ValueError(f"tensor {name}: dtype {dt} cannot be written to safetensors")
+    rows.append((name, _NAMES[dt], tuple(shape), int(np.prod(shape, dtype=np.int64)) * dt.itemsize))
   with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
+    f.write(_header(rows, metadata))
+
+
+def write(path: str, tensors: Mapping[str, np.ndarray] | Iterator[tuple[str, np.ndarray]],
+          metadata: Mapping[str, str] | None = None) -> None:
+  items = [(name, np.asarray(arr)) for name, arr in (tensors.items() if isinstance(tensors, Mapping) else tensors)]
+  for name, arr in items:
+    if arr.dtype not in _NAMES:
+      raise ValueError(f"tensor {name}: dtype {arr.dtype} cannot be written to safetensors")
+  with open(path, "wb") as f:
+    f.write(_header([(name, _NAMES[arr.dtype], arr.shape, arr.nbytes) for name, arr in items], metadata))
     for _, arr in items:
       f.write(np.ascontiguousarray(arr).tobytes())
