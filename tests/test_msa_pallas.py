@@ -298,3 +298,20 @@ def test_sparse_decode_validation():
     msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([1, 16]), block_size=4, topk=2)
   with pytest.raises(ValueError, match="lengths: expected an integer array"):
     msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([4.0, 16.0]), block_size=4, topk=2)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_select_blocks_key_splits_equal_one_program(splits):
+  # Split-K selection (decoding) merges per-range candidates: the same selection, per-row offsets included.
+  from pallas_kernels.msa import pallas_select  # noqa: PLC0415
+  c = Case("splits", B=2, T=3, S=64, Hq=2, Hkv=2, D=8, block_size=4, topk=5, local_blocks=2)
+  x = make_inputs(c, seed=splits)
+  offsets = jnp.asarray([30, 61], jnp.int32)
+  args = dict(block_size=4, topk=5, local_blocks=2, q_offset=offsets)
+  one = pallas_select.select_blocks(x["q_idx"], x["k_idx"], **args)
+  split = pallas_select.select_blocks(x["q_idx"], x["k_idx"], key_splits=splits, **args)
+  np.testing.assert_array_equal(np.asarray(split), np.asarray(one))
+  for b, off in enumerate((30, 61)):
+    oracle, raw = np_select_blocks(x["q_idx"][b:b + 1], x["k_idx"][b:b + 1], 4, 5, 2, off)
+    assert_selection(np.asarray(split[b:b + 1]), oracle, raw, Case("row", B=1, T=3, S=64, Hq=2, Hkv=2, D=8,
+                                                                   block_size=4, topk=5, local_blocks=2, q_offset=off))

@@ -358,8 +358,10 @@ def sparse_decode(q, k_cache, v_cache, q_idx, k_idx_cache, lengths, *, block_siz
                      f"S_max={S} (the new tokens are in the cache)")
   offsets = jnp.asarray(lengths, jnp.int32) - T
   if impl == "pallas":
+    # Few queries over a long cache: split the blocks over programs (>= 16 blocks each) to use the whole GPU.
+    splits = max(1, min(128, _num_blocks(S, block_size) // 16))
     block_idx = _pallas_select.select_blocks(q_idx, k_idx_cache, block_size=block_size, topk=topk,
-                                             local_blocks=local_blocks, q_offset=offsets)
+                                             local_blocks=local_blocks, q_offset=offsets, key_splits=splits)
     out = _pallas.sparse_attention_query_major(q, k_cache, v_cache, block_idx, block_size=block_size, scale=scale,
                                                q_offset=offsets)
     return out, block_idx

@@ -33,11 +33,9 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_rest, NRP, SP, slots, has_seg):
-  seg_ref = refs[0] if has_seg else None
-  out_ref = refs[-1]
-  bh, tile = pl.program_id(0), pl.program_id(1)
-  b, h = bh // Hkv, bh % Hkv
+def _scan(offset_ref, q_ref, k_ref, seg_ref, b, h, tile, lo, hi, *, Hkv, T, TQ, bs, n_local, n_rest, NRP):
+  """Running top-n_rest over blocks [lo, hi) for the tile's queries: (vals f32 [TQ, NRP], ids int32 [TQ, NRP],
+  q_block [TQ]). Slots past n_rest hold +inf: never the minimum, never replaced, never emitted."""
   d_idx = q_ref.shape[-1]
   t = jnp.minimum(tile * TQ + _iota(TQ), T - 1)  # rows past T repeat the last query (never stored)
   q = q_ref[(b, *rows_cols(t * Hkv + h, d_idx))]  # [TQ, d_idx]
@@ -45,7 +43,6 @@ def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_r
   q_block = q_pos // bs
   q_seg = None if seg_ref is None else seg_ref[b, q_pos]
   col = jax.lax.broadcasted_iota(jnp.int32, (TQ, NRP), 1)
-  big = jnp.int32(2 ** 30)
 
   def block(j, carry):
     vals, ids = carry
@@ -60,17 +57,32 @@ def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_r
     distance = q_block - j
     score = jnp.where((distance >= 0) & (distance < n_local), -jnp.inf, score)  # local blocks are forced, not ranked
     low = jnp.min(vals, axis=1)  # [TQ]
-    at = jnp.min(jnp.where(vals == low[:, None], col, big), axis=1)  # first slot holding the minimum
+    at = jnp.min(jnp.where(vals == low[:, None], col, NRP), axis=1)  # first slot holding the minimum
     take = ((col == at[:, None]) & (score > low)[:, None])  # [TQ, NRP]
     return jnp.where(take, score[:, None], vals), jnp.where(take, j, ids)
 
-  # Slots past n_rest start at +inf: never the minimum, never replaced, never emitted.
   vals = jnp.where(col < n_rest, -jnp.inf, jnp.inf).astype(jnp.float32)
   ids = jnp.full((TQ, NRP), -1, jnp.int32)
   if n_rest > 0:
-    last_block = (offset_ref[b] + jnp.minimum(tile * TQ + TQ - 1, T - 1)) // bs
-    vals, ids = jax.lax.fori_loop(0, last_block + 1, block, (vals, ids))
+    vals, ids = jax.lax.fori_loop(lo, hi, block, (vals, ids))
+  return vals, ids, q_block
 
+
+def _last_block(offset_ref, b, tile, *, T, TQ, bs):
+  """The last block any query of the tile can see (+1: a loop bound)."""
+  return (offset_ref[b] + jnp.minimum(tile * TQ + TQ - 1, T - 1)) // bs + 1
+
+
+def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_rest, NRP, SP, slots, has_seg):
+  seg_ref = refs[0] if has_seg else None
+  out_ref = refs[-1]
+  bh, tile = pl.program_id(0), pl.program_id(1)
+  b, h = bh // Hkv, bh % Hkv
+  hi = _last_block(offset_ref, b, tile, T=T, TQ=TQ, bs=bs)
+  vals, ids, q_block = _scan(offset_ref, q_ref, k_ref, seg_ref, b, h, tile, 0, hi, Hkv=Hkv, T=T, TQ=TQ, bs=bs,
+                             n_local=n_local, n_rest=n_rest, NRP=NRP)
+  col = jax.lax.broadcasted_iota(jnp.int32, (TQ, NRP), 1)
+  big = jnp.int32(2 ** 30)
   out_col = jax.lax.broadcasted_iota(jnp.int32, (TQ, SP), 1)
   out = jnp.full((TQ, SP), -1, jnp.int32)
   for l in range(n_local):  # own block first, then older ones; -1 before the first block
@@ -87,10 +99,45 @@ def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_r
   plgpu.store(out_ref.at[(bh, *rows_cols(rows, SP))], out, mask=(out_col < slots))
 
 
+def _candidates_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_rest, NRP, per_split, has_seg):
+  """Split-K (decoding: few queries, long history): program `split` ranks only blocks
+  [split * per_split, (split + 1) * per_split) and writes its candidates; XLA merges the splits."""
+  seg_ref = refs[0] if has_seg else None
+  vals_ref, ids_ref = refs[-2:]
+  bh, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, h = bh // Hkv, bh % Hkv
+  lo = split * per_split
+  hi = jnp.minimum(lo + per_split, _last_block(offset_ref, b, tile, T=T, TQ=TQ, bs=bs))
+  vals, ids, _ = _scan(offset_ref, q_ref, k_ref, seg_ref, b, h, tile, lo, jnp.maximum(hi, lo), Hkv=Hkv, T=T,
+                       TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP)
+  rows = tile * TQ + _iota(TQ)
+  cols = split * NRP + jax.lax.broadcasted_iota(jnp.int32, (1, NRP), 1)
+  vals_ref[bh, rows[:, None], cols] = vals
+  ids_ref[bh, rows[:, None], cols] = ids
+
+
+def _merge_candidates(vals, ids, q_block, n_local, n_rest):
+  """vals/ids [..., C] from all splits -> int32 [..., n_local + n_rest] in the contract's order."""
+  # Descending score, then lower block id: lexsort's last key is the primary one. +inf padding slots sort first
+  # and are dropped with the -inf (empty) ones below.
+  vals = jnp.where(jnp.isposinf(vals), -jnp.inf, vals)
+  order = jnp.lexsort((ids, -vals), axis=-1)[..., :n_rest]
+  best, pick = jnp.take_along_axis(vals, order, -1), jnp.take_along_axis(ids, order, -1)
+  rest = jnp.where(best > -jnp.inf, pick, -1)
+  local = q_block[..., None] - jnp.arange(n_local)
+  local = jnp.where(local >= 0, local, -1)
+  return jnp.concatenate([local, rest], axis=-1).astype(jnp.int32)
+
+
 def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int = 1, q_offset=None,
-                  segment_ids=None, interpret: bool | None = None, query_tile: int = 64, num_warps: int = 4,
-                  num_stages: int = 2) -> jax.Array:
-  """int32 [B, Hkv, T, min(topk, num_blocks)]; see api.select_blocks for the contract."""
+                  segment_ids=None, interpret: bool | None = None, query_tile: int = 64, key_splits: int = 1,
+                  num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+  """int32 [B, Hkv, T, min(topk, num_blocks)]; see api.select_blocks for the contract.
+
+  key_splits > 1 ranks disjoint ranges of blocks in separate programs and merges their candidates in XLA: for
+  decoding, where B * Hkv programs alone would leave most of the GPU idle while one program streams the whole
+  index-key cache. q_offset may be a [B] array (one offset per row).
+  """
   B, T, Hkv, d_idx = q_idx.shape
   S = k_idx.shape[1]
   if interpret is None:
@@ -100,24 +147,38 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
   slots = min(topk, nb)
   n_local = min(local_blocks, slots)
   n_rest = slots - n_local
+  NRP = _next_pow2(max(n_rest, 1))
   S_pad = nb * bs
   k_pad = jnp.pad(k_idx, ((0, 0), (0, S_pad - S), (0, 0)))  # pad keys lie past every query: causally invisible
   seg = None
   if segment_ids is not None:
     seg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, S_pad - S)), constant_values=-1)
   offset = row_offsets(q_offset, B, S, T)
-  TQ = min(query_tile, _next_pow2(T)) if interpret else query_tile
+  # Dots need >= 16 rows on the GPU; interpret mode takes any tile.
+  TQ = min(query_tile, _next_pow2(T)) if interpret else max(16, min(query_tile, _next_pow2(T)))
   T_pad = -(-T // TQ) * TQ
-  SP = _next_pow2(max(slots, 1))
-  kernel = functools.partial(_select_kernel, Hkv=Hkv, T=T, TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest,
-                             NRP=_next_pow2(max(n_rest, 1)), SP=SP, slots=slots, has_seg=seg is not None)
   extra = () if seg is None else (seg,)
-  out = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((B * Hkv, T_pad, SP), jnp.int32),
-      grid=(B * Hkv, T_pad // TQ),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name="msa_select_blocks",
-  )(offset, q_idx.reshape(B, T * Hkv, d_idx), k_pad, *extra)
-  return out[:, :T, :slots].reshape(B, Hkv, T, slots)
+  args = (offset, q_idx.reshape(B, T * Hkv, d_idx), k_pad, *extra)
+  common = dict(Hkv=Hkv, T=T, TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP, has_seg=seg is not None)
+  params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  if key_splits <= 1 or n_rest == 0:
+    SP = _next_pow2(max(slots, 1))
+    out = pl.pallas_call(
+        functools.partial(_select_kernel, SP=SP, slots=slots, **common),
+        out_shape=jax.ShapeDtypeStruct((B * Hkv, T_pad, SP), jnp.int32),
+        grid=(B * Hkv, T_pad // TQ), compiler_params=params, interpret=interpret, name="msa_select_blocks",
+    )(*args)
+    return out[:, :T, :slots].reshape(B, Hkv, T, slots)
+  per_split = -(-nb // key_splits)
+  splits = -(-nb // per_split)
+  vals, ids = pl.pallas_call(
+      functools.partial(_candidates_kernel, per_split=per_split, **common),
+      out_shape=(jax.ShapeDtypeStruct((B * Hkv, T_pad, splits * NRP), jnp.float32),
+                 jax.ShapeDtypeStruct((B * Hkv, T_pad, splits * NRP), jnp.int32)),
+      grid=(B * Hkv, T_pad // TQ, splits), compiler_params=params, interpret=interpret,
+      name="msa_select_candidates",
+  )(*args)
+  q_block = ((offset[:, None] + jnp.arange(T)) // bs)[:, None, :]  # [B, 1, T]
+  vals = vals[:, :T].reshape(B, Hkv, T, -1)
+  ids = ids[:, :T].reshape(B, Hkv, T, -1)
+  return _merge_candidates(vals, ids, jnp.broadcast_to(q_block, (B, Hkv, T)), n_local, n_rest)
