@@ -1,14 +1,13 @@
 """HF MiniMax-M3 VL checkpoints (config.json + safetensors) into our `VLModel`, and HF's patch layout.
 
-Two on-disk layouts are accepted (tests/fixtures/hf/NOTES.md §9a):
-* the original MiniMax layout, which HF transformers 5.x `save_pretrained` writes for the VL model (and presumably
-  the layout of the released checkpoint): `language_model.model.*`, `language_model.lm_head.weight`,
-  `vision_tower.vision_model.*`, `multi_modal_projector.linear_{1,2}`, `patch_merge_mlp.linear_{1,2}`, per-expert
-  `block_sparse_moe.experts.{e}.w{1,2,3}`, separate gate/up projections, `index_{q,k}_{proj,norm}`;
-* HF's in-memory names (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,
-  `lm_head.weight`).
-The original layout is translated lazily into the in-memory names; the text tower then uses the rules of
-`m3_jax.interop.hf` and the vision side the rules below.
+The text tower is read by `m3_jax.interop.hf.load(path, text_only=True)` (all of its name layouts); this file adds
+the vision tower and the projector, in either of the layouts a VL checkpoint comes in (tests/fixtures/hf/NOTES.md
+§9a):
+* MiniMax's release layout, which HF transformers 5.x `save_pretrained` also writes for the VL model:
+  `vision_tower.vision_model.{embeddings.patch_embedding, pre_layrnorm, encoder.layers.N.*}`,
+  `multi_modal_projector.linear_{1,2}`, `patch_merge_mlp.linear_{1,2}`;
+* HF's in-memory names: `model.vision_tower.{embeddings.proj, pre_layrnorm, layers.N.*}`,
+  `model.multi_modal_projector.{linear_1, linear_2, merge_linear_1, merge_linear_2}`.
 
 HF's image/video processors hand the tower `pixel_values` [patches, C * tp * p * p]: per item, rows in
 (t, h-block, w-block, i < m, j < m) order, each row flattened as (C, tp, p, p). Ours takes frames [F, H, W, C];
@@ -18,6 +17,7 @@ into HF's row order.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,16 +29,22 @@ import numpy as np
 from flax import nnx
 
 from m3_jax.interop import hf, safetensors_io
-from m3_jax.interop.hf import Rule
 from m3_jax.models.config import VLConfig, VisionConfig
 from m3_jax.models.multimodal import VLModel
 
-TEXT = "model.language_model."
 VISION = "model.vision_tower."
 PROJ = "model.multi_modal_projector."
+# Vision tower / projector tensors in either layout.
+VISION_NAMES = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
 
 
-# ---- the vision side's rules (ours <-> HF in-memory names) --------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  ours: tuple  # path in nnx.to_pure_dict(state) of the VLModel
+  hf: str  # HF's in-memory name
+  to_ours: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+
 
 def _lin(shape_ours):
   """HF [out, in] <-> ours [in, *out_dims]."""
@@ -59,10 +65,10 @@ def _same():
 
 
 def vision_rules(cfg: VLConfig) -> list[Rule]:
+  """One rule per tensor of the vision tower and the projector."""
   v = cfg.vision
   d, h, hd, inter = v.hidden_size, v.num_attention_heads, v.head_dim, v.intermediate_size
-  tp, p, c, m = v.temporal_patch_size, v.patch_size, v.num_channels, v.spatial_merge_size
-  pj, dt = cfg.projector_hidden_size, cfg.text.hidden_size
+  m, pj, dt = v.spatial_merge_size, cfg.projector_hidden_size, cfg.text.hidden_size
   V, P = ("vision_tower",), ("multi_modal_projector",)
   # Conv3d weight [out, C, tp, p, p] <-> ours [tp, p, p, C, out].
   out = [Rule(V + ("patch_embed",), VISION + "embeddings.proj.weight",
@@ -94,97 +100,37 @@ def vision_rules(cfg: VLConfig) -> list[Rule]:
   return out
 
 
-def rules(cfg: VLConfig) -> list[Rule]:
-  """Every tensor of the VL model: text rules of m3_jax.interop.hf (under language_model) + vision rules."""
-  text = [Rule(("language_model",) + r.ours, r.hf, r.to_ours, r.to_hf)
-          for r in hf.rules(cfg.text, prefix=TEXT, head="lm_head.weight")]
-  return text + vision_rules(cfg)
-
-
-# ---- the original MiniMax layout, seen through HF's in-memory names -------------------------------------------
-
-_ORIGINAL_RENAMES = (
-    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
-    (re.compile(r"^language_model\.model\."), TEXT),
+_RELEASE_RENAMES = (
     (re.compile(r"^vision_tower\.vision_model\.embeddings\.patch_embedding\."), VISION + "embeddings.proj."),
     (re.compile(r"^vision_tower\.vision_model\.encoder\.layers\."), VISION + "layers."),
     (re.compile(r"^vision_tower\.vision_model\."), VISION),
     (re.compile(r"^multi_modal_projector\.linear_"), PROJ + "linear_"),
     (re.compile(r"^patch_merge_mlp\.linear_"), PROJ + "merge_linear_"),
-    (re.compile(r"\.self_attn\.index_(q|k)_(proj|norm)\."), r".self_attn.indexer.\1_\2."),
-    (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
-    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
-    (re.compile(r"\.block_sparse_moe\.shared_experts\.down_proj\."), ".mlp.shared_experts.down_proj."),
 )
 
 
-class OriginalLayout:
-  """A read-only view of an original-layout checkpoint under HF's in-memory names (`names`, `get`). Tensors that
-  HF fuses are fused on read: gate/up projections (gate first), and the per-expert w1/w3 (gate/up) and w2 (down)
-  stacked over experts (NOTES.md §1)."""
-
-  _EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-  _GATE_UP = re.compile(r"^(.*)\.(mlp|block_sparse_moe\.shared_experts)\.(gate|up)_proj\.weight$")
-
-  def __init__(self, ckpt):
-    self.ckpt = ckpt
-    self._make: dict[str, Callable[[], np.ndarray]] = {}
-    experts: dict[str, dict[str, dict[int, str]]] = {}
-    pairs: dict[str, dict[str, str]] = {}
-    for name in ckpt.names:
-      if any(p.search(name) for p in hf.IGNORED):
-        continue
-      mapped = self._rename(name)
-      if (mo := self._EXPERT.match(mapped)) is not None:
-        experts.setdefault(mo.group(1), {}).setdefault(mo.group(3), {})[int(mo.group(2))] = name
-      elif (mo := self._GATE_UP.match(mapped)) is not None:
-        where = ".mlp." if mo.group(2) == "mlp" else ".mlp.shared_experts."
-        pairs.setdefault(mo.group(1) + where + "gate_up_proj.weight", {})[mo.group(3)] = name
-      else:
-        self._make[mapped] = lambda n=name: self.ckpt.get(n)
-    for layer, ws in experts.items():
-      if set(ws) != {"w1", "w2", "w3"} or len({len(x) for x in ws.values()}) != 1:
-        raise ValueError(f"original checkpoint: incomplete experts under {layer}: {sorted(ws)} with "
-                         f"{[len(x) for x in ws.values()]} experts")
-      e = sorted(ws["w1"])
-      if e != list(range(len(e))):
-        raise ValueError(f"original checkpoint: experts of {layer} are numbered {e}, expected 0..{len(e) - 1}")
-      self._make[layer + ".mlp.experts.gate_up_proj"] = lambda w=ws, e=e: np.stack(
-          [np.concatenate([self.ckpt.get(w["w1"][i]), self.ckpt.get(w["w3"][i])], 0) for i in e])
-      self._make[layer + ".mlp.experts.down_proj"] = lambda w=ws, e=e: np.stack([self.ckpt.get(w["w2"][i]) for i in e])
-    for fused, parts in pairs.items():
-      if set(parts) != {"gate", "up"}:
-        raise ValueError(f"original checkpoint: {fused} needs gate_proj and up_proj, found only {sorted(parts)}")
-      self._make[fused] = lambda p=parts: np.concatenate([self.ckpt.get(p["gate"]), self.ckpt.get(p["up"])], 0)
-
-  @staticmethod
-  def _rename(name: str) -> str:
-    for pattern, repl in _ORIGINAL_RENAMES:
-      name = pattern.sub(repl, name)
-    return name
-
-  @property
-  def names(self) -> list[str]:
-    return list(self._make)
-
-  def get(self, name: str) -> np.ndarray:
-    return self._make[name]()
-
-
-def is_original_layout(names) -> bool:
-  return any(n.startswith(("language_model.", "vision_tower.vision_model.")) for n in names)
+def hf_vision_name(stored: str) -> str:
+  """A stored vision/projector tensor name (either layout) -> HF's in-memory name."""
+  for pattern, repl in _RELEASE_RENAMES:
+    stored = pattern.sub(repl, stored)
+  return stored
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
 
 def read_config(path: str, *, text_overrides: dict | None = None, vision_overrides: dict | None = None,
                 **overrides) -> VLConfig:
+  """VLConfig of a VL checkpoint directory; the text part as `hf.read_config` resolves it."""
   with open(os.path.join(path, "config.json")) as f:
     raw = json.load(f)
-  if raw.get("model_type") not in ("minimax_m3_vl", None):
-    raise ValueError(f"{path}/config.json: model_type {raw.get('model_type')!r} is not a MiniMax-M3 VL model "
-                     "(text-only checkpoints load with m3_jax.interop.hf.load)")
-  return VLConfig.from_hf_dict(raw, text_overrides=text_overrides, vision_overrides=vision_overrides, **overrides)
+  if raw.get("model_type") != "minimax_m3_vl" or "vision_config" not in raw:
+    raise ValueError(f"{path}/config.json: model_type {raw.get('model_type')!r} without a vision_config is not a "
+                     "MiniMax-M3 VL model (text-only checkpoints load with m3_jax.interop.hf.load)")
+  fields = {f.name for f in dataclasses.fields(VLConfig)} - {"text", "vision"}
+  kw = {k: v for k, v in raw.items() if k in fields}
+  kw.update(overrides)
+  return VLConfig(text=hf.read_config(path, **(text_overrides or {})),
+                  vision=VisionConfig.from_hf_dict(raw["vision_config"], **(vision_overrides or {})), **kw)
 
 
 def _get(tree, path):
@@ -201,14 +147,21 @@ def _set(tree, path, value):
 
 def load(path: str, *, text_overrides: dict | None = None, vision_overrides: dict | None = None, mesh=None,
          **overrides) -> tuple[VLModel, VLConfig]:
-  """Loads an HF MiniMax-M3 VL checkpoint directory (either layout). Returns (model, config).
-  vision_overrides can set our own fields, e.g. {"max_frames": 2} or {"dtype": "bfloat16"}."""
-  cfg = read_config(path, text_overrides=text_overrides, vision_overrides=vision_overrides, **overrides)
+  """Loads an HF MiniMax-M3 VL checkpoint directory. Returns (model, config).
+  text_overrides / vision_overrides set TextConfig / VisionConfig fields, e.g. vision_overrides={"max_frames": 2}."""
+  text_model, text_cfg = hf.load(path, mesh=mesh, text_only=True, **(text_overrides or {}))
+  # The vision side takes the precision the text side was loaded in (the stored one unless overridden).
+  vision_overrides = {"dtype": text_cfg.dtype, "param_dtype": text_cfg.param_dtype, **(vision_overrides or {})}
+  cfg = read_config(path, vision_overrides=vision_overrides, **overrides).replace(text=text_cfg)
   ckpt = safetensors_io.Checkpoint(path)
-  if is_original_layout(ckpt.names):
-    ckpt = OriginalLayout(ckpt)
-  names = set(ckpt.names)
-  rs = rules(cfg)
+  stored = {hf_vision_name(n): n for n in ckpt.names if VISION_NAMES.search(n)}
+  rs = vision_rules(cfg)
+  missing = [r.hf for r in rs if r.hf not in stored]
+  unexpected = sorted(stored[n] for n in set(stored) - {r.hf for r in rs})
+  if missing or unexpected:
+    raise ValueError(f"{path}: vision tensors do not match config.json: missing {missing[:20]}"
+                     f"{' ...' if len(missing) > 20 else ''}, unexpected {unexpected[:20]}"
+                     f"{' ...' if len(unexpected) > 20 else ''}")
   abstract = nnx.eval_shape(lambda: VLModel(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   pure = nnx.to_pure_dict(state)
@@ -216,23 +169,17 @@ def load(path: str, *, text_overrides: dict | None = None, vision_overrides: dic
   if mesh is not None:
     from m3_jax.train.sharding import state_shardings  # noqa: PLC0415
     shardings = nnx.to_pure_dict(state_shardings(state, mesh))
-  expected = {r.hf for r in rs}
-  missing = [r.hf for r in rs if r.hf not in names]
-  unexpected = sorted(n for n in names - expected if not any(p.search(n) for p in hf.IGNORED))
-  if missing or unexpected:
-    raise ValueError(f"{path}: checkpoint does not match config: missing {missing[:20]}"
-                     f"{' ...' if len(missing) > 20 else ''}, unexpected {unexpected[:20]}"
-                     f"{' ...' if len(unexpected) > 20 else ''}")
+  pure["language_model"] = nnx.to_pure_dict(nnx.state(text_model))
   for r in rs:
     want = _get(pure, r.ours)
-    w = np.asarray(ckpt.get(r.hf))
+    w = np.asarray(ckpt.get(stored[r.hf]))
     try:
       arr = r.to_ours(w)
     except ValueError as e:
-      raise ValueError(f"{path}: tensor {r.hf} has shape {tuple(w.shape)}, which does not fit our "
+      raise ValueError(f"{path}: tensor {stored[r.hf]} has shape {tuple(w.shape)}, which does not fit our "
                        f"{'/'.join(map(str, r.ours))} of shape {tuple(want.shape)}") from e
     if tuple(arr.shape) != tuple(want.shape):
-      raise ValueError(f"{path}: tensor {r.hf} has shape {tuple(w.shape)}; expected a tensor mapping to "
+      raise ValueError(f"{path}: tensor {stored[r.hf]} has shape {tuple(w.shape)}; expected a tensor mapping to "
                        f"{'/'.join(map(str, r.ours))} of shape {tuple(want.shape)}")
     arr = arr.astype(want.dtype)
     _set(pure, r.ours, jax.device_put(arr, _get(shardings, r.ours)) if shardings else jnp.asarray(arr))
