@@ -232,3 +232,56 @@ def test_attention_mass_closed_form_with_uniform_attention():
         count += 1
   assert int(aux["text_to_visual_queries"]) == count
   np.testing.assert_allclose(np.asarray(aux["text_to_visual_attention"]), np.full((2, 2), total / count), atol=1e-6)
+
+
+# ---- loading and sharding metadata -------------------------------------------------------------------------------
+
+def test_loader_names_bad_vision_tensors_and_reads_hf_memory_names(tmp_path):
+  import re
+  import shutil
+  from m3_jax.interop import safetensors_io
+  src_dir = os.path.join(FIX, "vl_tiny")
+  src = safetensors_io.Checkpoint(src_dir)
+  tensors = {n: np.array(src.get(n)) for n in src.names}
+
+  def write(name, ts):
+    d = tmp_path / name
+    d.mkdir()
+    shutil.copy(os.path.join(src_dir, "config.json"), d / "config.json")
+    safetensors_io.write(str(d / "model.safetensors"), ts)
+    return str(d)
+
+  bad = dict(tensors)
+  del bad["vision_tower.vision_model.encoder.layers.1.mlp.fc2.bias"]
+  bad["patch_merge_mlp.linear_3.weight"] = np.zeros((2, 2), np.float32)
+  with pytest.raises(ValueError, match=r"missing \['model.vision_tower.layers.1.mlp.fc2.bias'\], "
+                                       r"unexpected \['patch_merge_mlp.linear_3.weight'\]"):
+    hv.load(write("bad", bad))
+  # The vision side under HF's in-memory names (transformers' conversion_mapping direction) loads the same weights.
+  renames = [(r"^vision_tower\.vision_model\.embeddings\.patch_embedding\.", "model.vision_tower.embeddings.proj."),
+             (r"^vision_tower\.vision_model\.encoder\.", "model.vision_tower."),
+             (r"^vision_tower\.vision_model\.", "model.vision_tower."),
+             (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+             (r"^patch_merge_mlp\.linear_", "model.multi_modal_projector.merge_linear_")]
+  renamed = {}
+  for n, t in tensors.items():
+    for pattern, repl in renames:
+      n = re.sub(pattern, repl, n, count=1)
+    renamed[n] = t
+  assert sum(n.startswith("model.vision_tower.layers.") for n in renamed) == 2 * 16
+  a, _ = hv.load(src_dir)
+  b, _ = hv.load(write("memory_names", renamed))
+  for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_every_parameter_has_logical_axes_the_mesh_table_knows():
+  from m3_jax.train.sharding import logical_to_spec
+  model = nnx.eval_shape(lambda: VLModel(tiny_cfg(), rngs=nnx.Rngs(0)))
+  n = 0
+  for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    axes = v.get_metadata().get("logical_axes")
+    assert axes is not None and len(axes) == v.get_value().ndim, (path, axes)
+    logical_to_spec(axes)  # unknown names or two dims on one mesh axis raise
+    n += 1
+  assert n > 40
