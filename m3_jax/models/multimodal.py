@@ -1,8 +1,8 @@
 """The M3 vision-language model: vision tower + projector + text tower, visual tokens in placeholder positions.
 
 `VLModel(cfg, rngs=...)(inputs, positions, segment_ids, images=..., image_valid=..., videos=..., video_valid=...)`
-returns `(logits [B, L, V] f32, aux)` like `TextModel`. The batch follows the contract between the vision data
-pipeline and the model (/work/briefs/vl_contract.md):
+returns `(logits [B, L, V] f32, aux)` like `TextModel`. The batch is the text batch of m3_jax/data/pipeline.py plus
+the pixels, as the vision data pipelines (m3_jax/data/vision*.py) emit them:
 
 * `images` [B, N_img, tp, H, W, C] (a frame repeated temporal_patch_size times), `videos` [B, N_vid, F, H, W, C],
   with `image_valid` / `video_valid` bool [B, N]; an absent key means "no items of that modality".
