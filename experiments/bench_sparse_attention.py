@@ -25,22 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_msa import timeit  # experiments/ is on the path when this file runs as a script
 from pallas_kernels import msa
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference
 
 HQ, HKV, D, BS, TOPK = 64, 4, 128, 128, 16
-
-
-def timeit(fn, *args, warmup=2, repeat=10):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeat):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def rel(a, b) -> float:

@@ -27,6 +27,24 @@ def ids(t=24, b=2, seed=0, vocab=101):
   return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=(b, t)))
 
 
+def assert_same_logits_and_grads(model_a, model_b):
+  """Logits and the gradients of a fixed log-prob readout agree between two models (gradients matched by path; the
+  paths of model_b must exist in model_a)."""
+  x = ids()
+
+  def loss(m):
+    logits, _ = m(x)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 1]), logits
+
+  (_, lg_a), ga = nnx.value_and_grad(loss, has_aux=True)(model_a)
+  (_, lg_b), gb = nnx.value_and_grad(loss, has_aux=True)(model_b)
+  np.testing.assert_allclose(np.asarray(lg_a), np.asarray(lg_b), atol=1e-5)
+  flat_a = dict(nnx.to_flat_state(ga))
+  for k, v in nnx.to_flat_state(gb):
+    np.testing.assert_allclose(np.asarray(flat_a[k].get_value()), np.asarray(v.get_value()), atol=1e-6,
+                               err_msg=str(k))
+
+
 def test_msa_equals_dense_when_everything_is_selected():
   """topk * block_size >= S: the MSA layer is exactly dense GQA attention (outputs and gradients)."""
   cfg = msa_cfg(index_topk_blocks=6)  # 6 * 4 = 24 = S
@@ -35,18 +53,7 @@ def test_msa_equals_dense_when_everything_is_selected():
   dense = TextModel(dense_cfg, rngs=nnx.Rngs(0))
   shared = {k: v for k, v in nnx.to_flat_state(nnx.state(model)) if "indexer" not in k}
   nnx.update(dense, nnx.from_flat_state(list(shared.items())))
-  x = ids()
-
-  def loss(m):
-    logits, _ = m(x)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
-
-  (la, lg_a), ga = nnx.value_and_grad(loss, has_aux=True)(model)
-  (lb, lg_b), gb = nnx.value_and_grad(loss, has_aux=True)(dense)
-  np.testing.assert_allclose(np.asarray(lg_a), np.asarray(lg_b), atol=1e-5)
-  flat_a, flat_b = dict(nnx.to_flat_state(ga)), dict(nnx.to_flat_state(gb))
-  for k, v in flat_b.items():
-    np.testing.assert_allclose(np.asarray(flat_a[k].get_value()), np.asarray(v.get_value()), atol=1e-6)
+  assert_same_logits_and_grads(model, dense)
 
 
 def _grads(model, x, which, step=10**6):
@@ -141,15 +148,4 @@ def test_pallas_sparse_attention_in_the_model_matches_xla():
   model = randomize(TextModel(cfg, rngs=nnx.Rngs(0)))
   pallas_model = TextModel(cfg.replace(msa_impl="pallas"), rngs=nnx.Rngs(0))
   nnx.update(pallas_model, nnx.state(model))
-  x = ids()
-
-  def loss(m):
-    logits, _ = m(x)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 1]), logits
-
-  (_, lg_a), ga = nnx.value_and_grad(loss, has_aux=True)(model)
-  (_, lg_b), gb = nnx.value_and_grad(loss, has_aux=True)(pallas_model)
-  np.testing.assert_allclose(np.asarray(lg_b), np.asarray(lg_a), atol=1e-5)
-  flat_a = dict(nnx.to_flat_state(ga))
-  for k, v in nnx.to_flat_state(gb):
-    np.testing.assert_allclose(np.asarray(v.get_value()), np.asarray(flat_a[k].get_value()), atol=1e-6, err_msg=str(k))
+  assert_same_logits_and_grads(pallas_model, model)
