@@ -5,12 +5,14 @@ r"""Generate text from a checkpoint, streaming tokens as they come (KV + MSA ind
       --temperature=0.8 --top_p=0.95 --seed=1
 
 --checkpoint is an export directory (`--mode=export`: model_config.json + params/) or an HF MiniMax-M3 directory
-(config.json + safetensors). The tokenizer is the checkpoint directory's tokenizer.json when present, else
---tokenizer (default: data/tokenizer.json, the one `make run` trains).
+(config.json + safetensors; a VL checkpoint generates from its text tower). The tokenizer is the checkpoint
+directory's tokenizer.json when present (ours, or HF's with the end-of-sequence id from generation_config.json /
+config.json), else --tokenizer (default: data/tokenizer.json, the one `make run` trains).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -23,10 +25,11 @@ _TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "data/tokenizer.json", "tokenizer.json when the checkpoint has none")
+_DTYPE = flags.DEFINE_string("dtype", None, "HF checkpoints: parameter + compute dtype (default: the stored one)")
 flags.mark_flag_as_required("checkpoint")
 
 
-def load_model(path: str):
+def load_model(path: str, dtype: str | None = None):
   """(model, TextConfig) from an export or an HF directory."""
   from flax import nnx  # noqa: PLC0415
   from m3_jax.interop import hf  # noqa: PLC0415
@@ -40,16 +43,44 @@ def load_model(path: str):
     both = ckpt_lib.restore_params(path, {"params": params, "rest": rest})
     return nnx.merge(graphdef, both["params"], both["rest"]), cfg
   if os.path.exists(os.path.join(path, "config.json")):
-    return hf.load(path)
+    return hf.load(path, dtype, text_only=True)
   raise FileNotFoundError(f"--checkpoint={path}: neither an export (model_config.json + params/) nor an HF "
                           "directory (config.json + safetensors)")
 
 
+class HFTokenizer:
+  """An HF checkpoint's own tokenizer.json (any `tokenizers` model) with the interface `main` uses; the
+  end-of-sequence id comes from generation_config.json or config.json (the first one when they list several)."""
+
+  def __init__(self, path: str, checkpoint: str):
+    import tokenizers  # noqa: PLC0415
+    self._tok = tokenizers.Tokenizer.from_file(path)
+    self.eot_id = None
+    for name in ("generation_config.json", "config.json"):
+      file = os.path.join(checkpoint, name)
+      if self.eot_id is None and os.path.exists(file):
+        with open(file) as f:
+          raw = json.load(f)
+        eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
+        self.eot_id = eos[0] if isinstance(eos, list) and eos else eos
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text).ids  # with the tokenizer's own special tokens, as HF's tokenizer(text) adds them
+
+  def decode(self, ids, *, skip_special: bool = False) -> str:
+    return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+
 def load_tokenizer(checkpoint: str, fallback: str):
   from m3_jax.data.tokenizer import Tokenizer  # noqa: PLC0415
-  for path in (os.path.join(checkpoint, "tokenizer.json"), fallback):
-    if os.path.exists(path):
-      return Tokenizer.from_file(path)
+  own = os.path.join(checkpoint, "tokenizer.json")
+  if os.path.exists(own):
+    try:
+      return Tokenizer.from_file(own)
+    except ValueError:  # not one of ours (its special tokens differ): the checkpoint's HF tokenizer
+      return HFTokenizer(own, checkpoint)
+  if os.path.exists(fallback):
+    return Tokenizer.from_file(fallback)
   raise FileNotFoundError(f"no tokenizer: {checkpoint}/tokenizer.json and --tokenizer={fallback} do not exist")
 
 
@@ -59,9 +90,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import jax.numpy as jnp  # noqa: PLC0415
   from m3_jax.models import decode  # noqa: PLC0415
-  model, cfg = load_model(_CKPT.value)
+  model, cfg = load_model(_CKPT.value, _DTYPE.value)
   tok = load_tokenizer(_CKPT.value, _TOKENIZER.value)
-  ids = tok.encode(_PROMPT.value) or [tok.eot_id]
+  ids = tok.encode(_PROMPT.value) or [tok.eot_id if tok.eot_id is not None else 0]
   if max(ids) >= cfg.vocab_size:
     raise ValueError(f"the tokenizer produced id {max(ids)} but the model's vocab_size is {cfg.vocab_size}")
   sys.stdout.write(_PROMPT.value)

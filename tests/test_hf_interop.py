@@ -218,6 +218,13 @@ def test_misshaped_tensor_is_named(tmp_path):
     load(d)
 
 
+def test_quantised_tensor_is_refused_not_cast(tmp_path):
+  d = _rewrite(tmp_path, "random_gqa4", lambda t: t.update(
+      {"model.layers.0.self_attn.o_proj.weight": np.ones((48, 96), np.int8)}))
+  with pytest.raises(ValueError, match=r"not floating point .*model.layers.0.self_attn.o_proj.weight \(I8\)"):
+    load(d)
+
+
 def test_release_layout_errors_name_the_stored_tensor(tmp_path):
   def edit(t):
     t.pop("language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight")
@@ -230,10 +237,18 @@ def test_release_layout_errors_name_the_stored_tensor(tmp_path):
   assert "block_sparse_moe.experts.0.w1.weight has shape (9, 32), expected (8, 32)" in msg
 
 
-def test_vl_checkpoint_is_not_loaded_silently_as_text():
+def test_vl_checkpoint_loads_the_vl_model_and_its_text_tower_only_on_request():
+  from m3_jax.interop import hf  # noqa: PLC0415
+  from m3_jax.models.transformer import TextModel  # noqa: PLC0415
+  model, cfg = load(fixture("random_vl"))  # the VL model (vision tower + projector + text tower)
+  assert not isinstance(model, TextModel)
+  r = np.load(os.path.join(fixture("random_vl"), "reference.npz"))
+  logits, _ = model(r["input_ids"])  # text-only input through the VL model, as HF's reference was made
+  assert float(np.max(np.abs(np.asarray(logits) - r["logits"]))) <= 1e-4
+  # the text-only plan never drops the vision tensors silently
   with pytest.raises(ValueError, match=r"(?s)unexpected \['multi_modal_projector.*vision tower / projector.*"
                                        r"text_only=True"):
-    load(fixture("random_vl"))
+    hf.load_plan(fixture("random_vl"))
 
 
 def test_index_pointing_at_a_missing_shard_file(tmp_path):
@@ -339,5 +354,29 @@ def test_plan_cli_per_device_bytes_equal_the_closed_form(tmp_path):
     p = rep["plans"][dtype]
     want = _closed_form_bytes(6144, 200064, 64, 4, 128, 12288, 128, 3072, 3072, 4, 128, lt, mt, nbytes)
     assert p["bytes_per_device_max"] == p["bytes_per_device_min"] == want, dtype
-    assert len(p["tensors"]) == 3 + 3 * 10 + 18
     assert {r["kind"] for r in p["kinds"]} >= {"model.layers.*.mlp.experts.gate_up_proj", "lm_head.weight"}
+  assert len(rep["tensors"]) == 3 + 3 * 10 + 18
+
+
+def test_generate_cli_with_the_checkpoints_own_hf_tokenizer(tmp_path):
+  """`python -m m3_jax.generate` on an HF directory that ships a foreign tokenizer.json: it streams the greedy
+  continuation (greedy == HF is test_greedy_generation_matches_hf) and stops at generation_config's eos."""
+  import tokenizers  # noqa: PLC0415
+  from tokenizers import models, pre_tokenizers  # noqa: PLC0415
+  d = tmp_path / "hf_dir"
+  shutil.copytree(fixture("random_mha_sharded"), d)
+  tok = tokenizers.Tokenizer(models.WordLevel({f"w{i}": i for i in range(150)}, unk_token="w0"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(d / "tokenizer.json"))
+  model, _ = loaded("random_mha_sharded")
+  prompt = [7, 93, 41, 12, 5]
+  free = decode.generate(model, jnp.asarray([prompt], jnp.int32), max_new_tokens=6)[0].tolist()
+  eos = free[3]  # make the 4th generated token the end of sequence
+  (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 149]}))
+  want = free[:free.index(eos) + 1]
+  text = " ".join(f"w{i}" for i in prompt)
+  p = subprocess.run([sys.executable, "-m", "m3_jax.generate", f"--checkpoint={d}", f"--prompt={text}",
+                      "--max_new_tokens=6"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert p.stdout.strip() == text + " ".join(f"w{i}" for i in want)

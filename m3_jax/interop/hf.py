@@ -14,7 +14,8 @@ Tensors: one `model.safetensors` or a sharded set (`model.safetensors.index.json
   hf_vl    `model.language_model.*`: the VL model's text tower as HF holds it in memory;
   minimax  `language_model.model.*`: MiniMax's release layout, which HF 5.23 also writes for the VL model
            (`block_sparse_moe`, per-expert w1/w3/w2, split gate_proj/up_proj, `index_{q,k}_proj`).
-Vision tower and projector tensors of a VL checkpoint are refused unless `text_only=True` drops them explicitly.
+A `minimax_m3_vl` checkpoint loads as the VL model (`hf_vision.load`, which reads its text tower through this file);
+`text_only=True` loads just the text tower and drops the vision tensors explicitly (never silently).
 
 Our parameters are laid out for einsum and sharding ([in, heads, head_dim], gate/up on their own axis); HF's are
 torch Linear [out, in]. Every tensor has one `Rule` giving both directions, so load and save are exact inverses.
@@ -408,8 +409,14 @@ def plan(cfg: TextConfig, mesh=None, *, layout: str = "hf") -> LoadPlan:
   return LoadPlan(cfg, layout, mesh, entries, graphdef, state)
 
 
-def _check_names(path: str, entries: list[PlanEntry], shapes: dict[str, tuple], *, text_only: bool) -> None:
-  """One error listing every missing, unexpected and mis-shaped tensor."""
+# Stored dtypes we convert exactly; anything else (int8 / fp8 quantised weights, which come with scale tensors) is
+# refused rather than cast without its scales.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _check_names(path: str, entries: list[PlanEntry], shapes: dict[str, tuple], *, text_only: bool,
+                 dtypes: dict[str, str] | None = None) -> None:
+  """One error listing every missing, unexpected, mis-shaped and non-float tensor."""
   expected = {n: (s, e) for e in entries for n, s in e.source.parts}
   missing = [n for n in expected if n not in shapes]
   vision = [n for n in shapes if VISION.search(n)]
@@ -417,7 +424,9 @@ def _check_names(path: str, entries: list[PlanEntry], shapes: dict[str, tuple], 
                       and not (text_only and VISION.search(n)))
   misshaped = [f"{n} has shape {tuple(shapes[n])}, expected {tuple(s)} (for our {e.ours} of shape {e.shape})"
                for n, (s, e) in expected.items() if n in shapes and tuple(shapes[n]) != tuple(s)]
-  if not (missing or unexpected or misshaped):
+  dtypes = dtypes or {}
+  not_float = [f"{n} ({dtypes[n]})" for n in expected if n in dtypes and dtypes[n] not in FLOAT_DTYPES]
+  if not (missing or unexpected or misshaped or not_float):
     return
 
   def few(xs):
@@ -433,6 +442,8 @@ def _check_names(path: str, entries: list[PlanEntry], shapes: dict[str, tuple], 
                  "text_only=True to load only its text tower)")
   if misshaped:
     msg.append("mis-shaped: " + "; ".join(misshaped[:20]))
+  if not_float:
+    msg.append(f"not floating point (quantised checkpoints are not supported): {few(not_float)}")
   raise ValueError("\n  ".join(msg))
 
 
@@ -455,14 +466,16 @@ def load_plan(path: str, dtype: str | None = None, mesh=None, *, text_only: bool
   cfg = _resolve(path, dtype, overrides)
   ckpt = safetensors_io.Checkpoint(path)
   p = plan(cfg, mesh, layout=detect_layout(ckpt.names))
-  _check_names(path, p.entries, {n: ckpt.shape(n) for n in ckpt.names}, text_only=text_only)
+  _check_names(path, p.entries, {n: ckpt.shape(n) for n in ckpt.names}, text_only=text_only,
+               dtypes={n: ckpt.dtype(n) for n in ckpt.names})
   return p
 
 
 def load(path: str, dtype: str | None = None, mesh=None, *, text_only: bool = False, abstract: bool = False,
          **overrides) -> tuple[TextModel, TextConfig]:
   """Loads an HF MiniMax-M3 checkpoint directory. Returns (model, config); `model(input_ids)` with input_ids an
-  int array [B, T] gives (logits [B, T, vocab] f32, aux).
+  int array [B, T] gives (logits [B, T, vocab] f32, aux). A `minimax_m3_vl` checkpoint gives the VL model and its
+  VLConfig (`m3_jax.interop.hf_vision.load`), which also takes the visual inputs; text_only=True its text tower.
 
   dtype: parameter and compute dtype (None: config.json's `dtype`, i.e. the stored precision, as HF's
     dtype="auto"; float32 if the file names none).
@@ -473,6 +486,15 @@ def load(path: str, dtype: str | None = None, mesh=None, *, text_only: bool = Fa
     checkpoint (`abstract_checkpoint`).
   overrides: TextConfig fields (attention_impl, moe_impl, param_dtype, ...).
   """
+  raw, _ = _raw_config(path)
+  if not text_only and (raw.get("model_type") == "minimax_m3_vl" or "text_config" in raw):
+    if abstract:
+      raise ValueError(f"{path}: abstract=True plans the text tower only; pass text_only=True")
+    from m3_jax.interop import hf_vision  # noqa: PLC0415  (the VL loader reads its text tower through us)
+    dt = dtype or _stored_dtype(raw)
+    return hf_vision.load(path, mesh=mesh, text_overrides={**({"dtype": jnp.dtype(dt).name,
+                                                                "param_dtype": jnp.dtype(dt).name} if dt else {}),
+                                                             **overrides})
   p = load_plan(path, dtype, mesh, text_only=text_only, **overrides)
   if abstract:
     return p.abstract_model(), p.config

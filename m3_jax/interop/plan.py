@@ -53,10 +53,13 @@ def report(p) -> dict:
       "bytes_per_device_max": max(per_dev.values()), "bytes_per_device_min": min(per_dev.values()),
       "bytes_global": sum(e.bytes_global() for e in p.entries),
       "kinds": kind_rows(p),
-      "tensors": [{"hf": e.source.names if len(e.source.names) <= 2 else
-                   [e.source.names[0], "...", e.source.names[-1]], "ours": e.ours,
-                   "spec": str(e.sharding.spec), "shard_shape": list(e.shard_shape())} for e in p.entries],
   }
+
+
+def tensor_map(p) -> list[dict]:
+  """Every HF tensor (composites: first and last stored name) -> our parameter, its mesh spec and shard shape."""
+  return [{"hf": e.source.names if len(e.source.names) <= 2 else [e.source.names[0], "...", e.source.names[-1]],
+           "ours": e.ours, "spec": str(e.sharding.spec), "shard_shape": list(e.shard_shape())} for e in p.entries]
 
 
 def table(rep: dict) -> str:
@@ -104,6 +107,7 @@ def main(argv):
       assert all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None for x in leaves)
       rep = report(p)
       out["plans"][dt] = rep
+      out.setdefault("tensors", tensor_map(p))  # the same specs for every dtype
       counts = param_count(p.config)
       out["params_total"], out["params_active_per_token"] = counts["total"], counts["active"]
       print(f"\n== {counts['total'] / 1e9:.1f}B parameters, {p.config.num_hidden_layers} layers, "
