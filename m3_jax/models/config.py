@@ -124,30 +124,10 @@ class TextConfig:
   # ---- HF config.json interop ---------------------------------------------------------------------------------
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any], **overrides) -> "TextConfig":
-    """Builds from an HF `config.json` dict (text config, or the `text_config` of a VL config)."""
-    d = dict(d.get("text_config", d))
-    rope = d.get("rope_parameters") or {}
-    # HF's modeling code reads the rotated width from partial_rotary_factor only (its `rotary_dim` field is never
-    # read, and a missing factor rotates the whole head); follow what HF computes, not what the file says.
-    d["rotary_dim"] = int(d.get("head_dim", cls.head_dim) * rope.get("partial_rotary_factor", 1.0))
-    if "rope_theta" not in d and "rope_theta" in rope:
-      d["rope_theta"] = rope["rope_theta"]
-    legacy = d.pop("sparse_attention_config", None) or {}
-    for ours, theirs in (("index_n_heads", "sparse_num_index_heads"), ("index_head_dim", "sparse_index_dim"),
-                         ("index_block_size", "sparse_block_size"), ("index_topk_blocks", "sparse_topk_blocks"),
-                         ("index_local_blocks", "sparse_local_block")):
-      if theirs in legacy:
-        d[ours] = legacy[theirs]
-    n = d.get("num_hidden_layers", cls.num_hidden_layers)
-    if d.get("layer_types") is None:
-      freq = legacy.get("sparse_attention_freq")
-      d["layer_types"] = (["minimax_m3_sparse" if f else "full_attention" for f in freq] if freq is not None
-                          else ["full_attention"] * n)
-    if d.get("mlp_layer_types") is None:
-      freq = d.get("moe_layer_freq")
-      d["mlp_layer_types"] = ["sparse" if f else "dense" for f in freq] if freq is not None else ["sparse"] * n
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {k: v for k, v in d.items() if k in fields}
+    """Builds from an HF `config.json` dict (text config, or a VL config's `text_config`), resolved exactly as HF
+    5.23 resolves it (legacy field names, RoPE precedence): one reader, in m3_jax.interop.hf."""
+    from m3_jax.interop.hf import resolve_text_config  # noqa: PLC0415 - interop imports this module
+    kw = resolve_text_config(d)
     kw.update(overrides)
     return cls(**kw)
 
