@@ -44,6 +44,20 @@ def test_vl_tiny_logits_match_hf():
   np.testing.assert_allclose(np.asarray(logits), r["logits"], atol=ATOL, rtol=0)
 
 
+def test_vl_checkpoint_through_the_public_load_matches_hf():
+  """Issue 7's entry point: `m3_jax.interop.hf.load(path)` on a full VL checkpoint returns the VL model, whose logits
+  on an image + a video (visual-token merge included) match HF's."""
+  from m3_jax.interop import hf  # noqa: PLC0415
+  model, cfg = hf.load(os.path.join(FIX, "vl_tiny"))
+  assert isinstance(model, VLModel) and isinstance(cfg, VLConfig)
+  r = ref("vl_tiny")
+  image = hv.hf_patches_to_frames(r["pixel_values"], r["image_grid_thw"][0], cfg.vision)
+  video = hv.hf_patches_to_frames(r["pixel_values_videos"], r["video_grid_thw"][0], cfg.vision)
+  logits, _ = model(jnp.asarray(r["input_ids"]), images=jnp.asarray(image)[None, None],
+                    videos=jnp.asarray(video)[None, None])
+  np.testing.assert_allclose(np.asarray(logits), r["logits"], atol=ATOL, rtol=0)  # the issue asks for 1e-4
+
+
 @pytest.fixture(scope="module")
 def segments_batch():
   """vl_segments as a contract batch. Row 1's first image slot is a padding item (junk pixels, invalid), so its
