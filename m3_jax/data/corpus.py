@@ -725,7 +725,8 @@ def _cached(data_dir: str, config: Mapping[str, Any]) -> Manifest | None:
 
 def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
             text_files: Mapping[str, Sequence[str]] | None = None, vocab_size: int = 8192,
-            heldout_fraction: float = 0.02, seed: int = 0, verbose: bool = True, force: bool = False) -> Manifest:
+            heldout_fraction: float = 0.02, seed: int = 0, verbose: bool = True, force: bool = False,
+            vision: bool = False) -> Manifest:
   """Builds (or finds already built) the tokenised corpus in `data_dir`; see the module docstring for the layout.
 
   Args:
@@ -740,11 +741,19 @@ def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
     seed: picks the held-out documents.
     verbose: print progress.
     force: rebuild even if `data_dir` already holds a build with the same arguments (e.g. to retry skipped sources).
+    vision: also prepare the image/video data with `m3_jax.data.vision.prepare_vision` (default arguments, this
+      seed; cached separately in `data_dir/vision/`). Off by default so that text-only users do not wait for it.
 
   Returns:
     The Manifest. A second call with the same arguments returns the cached manifest without rebuilding; different
     arguments (vocab_size, sources, text files' contents, heldout_fraction, seed) rebuild.
   """
+  if vision:
+    manifest = prepare(data_dir, sources=sources, text_files=text_files, vocab_size=vocab_size,
+                       heldout_fraction=heldout_fraction, seed=seed, verbose=verbose, force=force)
+    from m3_jax.data import vision as vision_lib  # local import: vision data is optional
+    vision_lib.prepare_vision(data_dir, seed=seed, verbose=verbose, force=force)
+    return manifest
   t0 = time.time()
   data_dir = os.path.abspath(data_dir)
   names = list(DEFAULT_SOURCES if sources is None else sources)
@@ -881,7 +890,7 @@ def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> Manifest:
-  """Command line: `python -m m3_jax.data DATA_DIR [--sources a,b] [--vocab_size N] [--force]`."""
+  """Command line: `python -m m3_jax.data DATA_DIR [--sources a,b] [--vocab_size N] [--force] [--vision]`."""
   import argparse
   p = argparse.ArgumentParser(prog="python -m m3_jax.data", description="Prepare the tokenised text corpus.")
   p.add_argument("data_dir")
@@ -890,7 +899,9 @@ def main(argv: Sequence[str] | None = None) -> Manifest:
   p.add_argument("--heldout_fraction", type=float, default=0.02)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--force", action="store_true", help="rebuild even if up to date (e.g. to retry skipped sources)")
+  p.add_argument("--vision", action="store_true",
+                 help="also prepare the image/video data (m3_jax.data.vision; about a minute, cached)")
   a = p.parse_args(argv)
   srcs = None if a.sources is None else [s for s in a.sources.split(",") if s]
   return prepare(a.data_dir, sources=srcs, vocab_size=a.vocab_size, heldout_fraction=a.heldout_fraction,
-                 seed=a.seed, force=a.force)
+                 seed=a.seed, force=a.force, vision=a.vision)
