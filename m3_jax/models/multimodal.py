@@ -88,6 +88,28 @@ def check_batch(batch: Mapping[str, Any], cfg: VLConfig) -> dict[str, np.ndarray
   return counts
 
 
+def vision_flops(cfg: VLConfig, frames: int, height: int, width: int, max_frames: int | None = None) -> float:
+  """Forward FLOPs (2 per multiply-add) of the vision tower + projector on one item, in closed form.
+
+  Counts what the tower computes: matmuls over every patch slot, including the padded slots of a last, shorter
+  segment, and attention scores + weighted values over each segment (4 * S^2 * hidden per segment of S
+  patches: the part that grows with max_frames). Elementwise work (norms, GELU, softmax, RoPE) is left out.
+  """
+  v = cfg.vision
+  t, gh, gw = frames // v.temporal_patch_size, height // v.patch_size, width // v.patch_size
+  mf = min(int(v.max_frames if max_frames is None else max_frames), t)
+  n_seg = -(-t // mf)
+  seg = mf * gh * gw  # patches per segment
+  slots = n_seg * seg  # patch slots computed per layer
+  patches = t * gh * gw
+  d, inter, pj, dt = v.hidden_size, v.intermediate_size, cfg.projector_hidden_size, cfg.text.hidden_size
+  m2 = v.spatial_merge_size ** 2
+  embed = 2.0 * patches * v.patch_dim * d
+  per_layer = 2.0 * slots * (4 * d * d + 2 * d * inter) + 4.0 * n_seg * seg * seg * d
+  projector = 2.0 * patches * (d * pj + pj * dt) + 2.0 * (patches // m2) * (m2 * dt * pj + pj * dt)
+  return embed + v.num_hidden_layers * per_layer + projector
+
+
 def merge_visual_tokens(x: jax.Array, ids: jax.Array, token: int, features: jax.Array,
                         valid: jax.Array) -> jax.Array:
   """Replaces the placeholder embeddings of `token` by visual tokens, per row and in order.

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ml_collections
 
-from m3_jax.models.config import TextConfig
+from m3_jax.models.config import TextConfig, VLConfig, VisionConfig
 from m3_jax.train.optimizer import OptimConfig
+
+# The config sections that describe the model: a checkpoint restores iff they give the same parameter shapes.
+MODEL_SECTIONS = ("model", "vision", "vl")
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
@@ -37,8 +41,39 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(out)
 
 
-def model_config(config: ml_collections.ConfigDict) -> TextConfig:
-  return TextConfig.from_dict(dict(config.model.to_dict()))
+def is_multimodal(config: ml_collections.ConfigDict | dict) -> bool:
+  """The one switch between the text and the vision-language model: a config with a `vision` section is VL."""
+  return "vision" in config
+
+
+def model_config(config: ml_collections.ConfigDict | dict, *, known_only: bool = False) -> TextConfig | VLConfig:
+  """TextConfig for a text config; VLConfig (text tower = `model`, tower = `vision`, the rest = `vl`) for a config
+  with a `vision` section. Takes the ConfigDict or its JSON form (a saved run config); known_only drops fields
+  this code no longer has (an old checkpoint's config)."""
+
+  def section(name, cls):
+    d = config[name]
+    d = dict(d.to_dict() if isinstance(d, ml_collections.ConfigDict) else d)
+    if known_only:
+      fields = {f.name for f in dataclasses.fields(cls)}
+      d = {k: v for k, v in d.items() if k in fields}
+    return cls.from_dict(d)
+
+  text = section("model", TextConfig)
+  if not is_multimodal(config):
+    return text
+  vl = config["vl"] if "vl" in config else {}
+  vl = dict(vl.to_dict() if isinstance(vl, ml_collections.ConfigDict) else vl)
+  return VLConfig(text=text, vision=section("vision", VisionConfig), **vl)
+
+
+def model_config_from_export(d: dict[str, Any]) -> TextConfig | VLConfig:
+  """The model config an export wrote (`cfg.to_dict()`): VLConfig's has `text` and `vision`."""
+  return VLConfig.from_dict(d) if "vision" in d else TextConfig.from_dict(d)
+
+
+def text_config(cfg: TextConfig | VLConfig) -> TextConfig:
+  return cfg.text if isinstance(cfg, VLConfig) else cfg
 
 
 def optim_config(config: ml_collections.ConfigDict) -> OptimConfig:

@@ -5,7 +5,7 @@ Every key exists here, so a typo on the command line (`--config.trian.steps=5`) 
 
 import ml_collections
 
-from m3_jax.models.config import TextConfig
+from m3_jax.models.config import TextConfig, VLConfig, VisionConfig
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -63,4 +63,48 @@ def base_config() -> ml_collections.ConfigDict:
   c.export = ml_collections.ConfigDict()
   c.export.path = ""  # default WORKDIR/export
   c.export.dtype = "bfloat16"  # "" keeps the training dtype
+  return c
+
+
+def vl_config() -> ml_collections.ConfigDict:
+  """base_config() plus the vision-language sections; a config with a `vision` section trains the VLModel.
+
+  `model` stays the text tower; `vision` is the VisionConfig (HF names + our `max_frames`); `vl` holds the rest of
+  VLConfig (placeholder ids of our tokenizer, projector width); `data.mm` shapes and mixes the multimodal batches
+  of m3_jax/data/vision_pipeline.py.
+  """
+  c = base_config()
+  c.vision = ml_collections.ConfigDict(VisionConfig().to_dict())
+  vl = VLConfig.__dataclass_fields__
+  c.vl = ml_collections.ConfigDict(dict(
+      image_token_index=2, video_token_index=3,  # <image>, <video> of m3_jax/data/tokenizer.py
+      projector_hidden_size=vl["projector_hidden_size"].default))
+
+  m = c.data.mm = ml_collections.ConfigDict()
+  # Static pixel shapes of every image / video frame (multiples of patch_size * spatial_merge_size).
+  m.height = 56
+  m.width = 56
+  m.num_frames = 8  # frames per video item (a multiple of temporal_patch_size)
+  m.max_images_per_row = 4  # 0: no image keys in the batch
+  m.max_videos_per_row = 1  # 0: no video keys in the batch
+  # Share of each batch's rows that are multimodal (the rest are the text pipeline's rows, in the same order as a
+  # text-only run); 0 before step `vision_start_step` (vision added late, e.g. at the LR decay).
+  m.vision_weight = 0.5
+  m.vision_start_step = 0
+  # Train sources and element shares, "NAME=W[,NAME=W]" from the image sources and synthetic_video; "" = the
+  # pipeline's defaults over everything prepared.
+  m.sources = ""
+  m.text_in_mm_rows = 0.0  # share of text pieces packed into the multimodal rows
+  m.caption_first_prob = 0.25
+  m.sprite_sources = ""  # image sources that synthetic clips take their objects from; "" = the pipeline's default
+  m.min_objects = 1  # synthetic motion: objects per clip
+  m.max_objects = 3
+  # What to prepare: vision sources ("" = all: the image sources and the real clips) and per-source item caps
+  # ("NAME=N[,NAME=N]", merged over the preparation defaults).
+  m.prepare_sources = ""
+  m.max_items = ""
+  # Held-out sets: every prepared image source, synthetic_video and real_clips (those the shapes allow), or a
+  # comma-separated subset; synthetic clips are made from held-out sprites.
+  m.eval_sources = ""
+  m.eval_num_clips = 64
   return c

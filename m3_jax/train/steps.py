@@ -20,20 +20,32 @@ class TrainState:
   rng: jax.Array  # for stochastic parts (none in the default models); saved so a resume is exact
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Mean next-token NLL over masked positions. logits [B, T, V] f32; targets, mask [B, T]. Returns (mean, count)."""
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Per-position next-token NLL [B, T] (f32) of logits [B, T, V] f32 and targets [B, T]."""
   logz = jax.nn.logsumexp(logits, axis=-1)
   gold = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return logz - gold
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Mean next-token NLL over masked positions. logits [B, T, V] f32; targets, mask [B, T]. Returns (mean, count)."""
   mask = mask.astype(jnp.float32)
   count = jnp.sum(mask)
-  return jnp.sum((logz - gold) * mask) / jnp.maximum(count, 1.0), count
+  return jnp.sum(token_nll(logits, targets) * mask) / jnp.maximum(count, 1.0), count
+
+
+# Pixels and validity masks of a multimodal batch (VLModel keyword arguments); absent in a text batch.
+VISUAL_KEYS = ("images", "image_valid", "videos", "video_valid")
 
 
 def forward(graphdef, params, rest, batch, *, step=None, capture_attention=False):
+  """(logits, aux) of the TextModel or VLModel in graphdef; a VL batch also passes its pixels (absent modalities
+  stay absent, so a text-only batch runs a VL model on text alone)."""
   model = nnx.merge(graphdef, params, rest)
   step_state = None if step is None else {"step": step}
+  visual = {k: batch[k] for k in VISUAL_KEYS if k in batch}
   return model(batch["inputs"], batch["positions"], batch["segment_ids"], loss_mask=batch["loss_mask"],
-               step_state=step_state, capture_attention=capture_attention)
+               step_state=step_state, capture_attention=capture_attention, **visual)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable, *, moe_aux_coef: float,
@@ -71,10 +83,23 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
 
 
 def make_eval_step(graphdef) -> Callable:
+  """(params, rest, batch) -> sums over the batch: NLL, target tokens and argmax hits (teacher-forced accuracy)
+  under loss_mask, and the same three under every extra `NAME_mask` [B, L] of the batch (e.g. the synthetic-video
+  eval's direction_mask / object_mask) as `NAME/loss_sum`, `NAME/tokens`, `NAME/correct`."""
 
   def eval_step(params, rest, batch) -> dict:
     logits, _ = forward(graphdef, params, rest, batch)
-    ce, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-    return {"loss_sum": ce * count, "tokens": count}
+    nll = token_nll(logits, batch["targets"])
+    hit = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    out = {}
+    for key in sorted(batch):
+      if key.endswith("_mask"):
+        mask = batch["loss_mask"].astype(jnp.float32)
+        if key != "loss_mask":
+          mask = mask * batch[key].astype(jnp.float32)
+        prefix = "" if key == "loss_mask" else key[:-len("_mask")] + "/"
+        out.update({f"{prefix}loss_sum": jnp.sum(nll * mask), f"{prefix}tokens": jnp.sum(mask),
+                    f"{prefix}correct": jnp.sum(hit * mask)})
+    return out
 
   return eval_step

@@ -1,5 +1,10 @@
 """The trainer: one readable file, in the order things happen (config, mesh, data, model, shard, step,
-checkpoint, evals, loop). `train_and_evaluate`, `evaluate` and `export` are the three `--mode`s of m3_jax.main."""
+checkpoint, evals, loop). `train_and_evaluate`, `evaluate` and `export` are the three `--mode`s of m3_jax.main.
+
+One trainer for both model kinds: a config with a `vision` section (configs/tiny_vlm.py) trains the VLModel on
+interleaved text / image-caption / video-caption batches (the contract of m3_jax/models/multimodal.py); any other
+config trains the TextModel on packed text. `build_model` is the one place where the kind is chosen; everything
+else (NNX split, sharding from logical axes, jit, checkpoints with the data iterator, evals) is shared."""
 
 from __future__ import annotations
 
@@ -16,13 +21,14 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from m3_jax.models.config import TextConfig, train_flops_per_token
+from m3_jax.models.config import TextConfig, VLConfig, train_flops_per_token
+from m3_jax.models.multimodal import VLModel, check_batch, vision_flops
 from m3_jax.models.transformer import TextModel
 from m3_jax.train import checkpoint as ckpt_lib
 from m3_jax.train import config_lib, sharding
 from m3_jax.train.metrics import MetricWriter, Progress, peak_flops
 from m3_jax.train.optimizer import make_optimizer
-from m3_jax.train.steps import TrainState, make_eval_step, make_train_step
+from m3_jax.train.steps import VISUAL_KEYS, TrainState, make_eval_step, make_train_step
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -34,24 +40,35 @@ def log(msg: str) -> None:
 
 # ============================================================================================ model + sharding ==
 
-def abstract_model(cfg: TextConfig):
+ModelConfig = TextConfig | VLConfig
+
+
+def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+  """The one place where the model kind is chosen: VLConfig -> VLModel (vision tower + projector + text tower),
+  TextConfig -> TextModel. Both return (logits, aux) and carry logical axes on every parameter."""
+  if isinstance(cfg, VLConfig):
+    return VLModel(cfg, rngs=rngs)
+  return TextModel(cfg, rngs=rngs)
+
+
+def abstract_model(cfg: ModelConfig):
   """(graphdef, abstract params, abstract rest) without allocating anything."""
-  model = nnx.eval_shape(lambda: TextModel(cfg, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
   return nnx.split(model, nnx.Param, ...)
 
 
-def param_shardings(cfg: TextConfig, mesh) -> tuple[Any, Any, Any]:
+def param_shardings(cfg: ModelConfig, mesh) -> tuple[Any, Any, Any]:
   graphdef, params, rest = abstract_model(cfg)
   p_sh = sharding.state_shardings(params, mesh)
   r_sh = sharding.state_shardings(rest, mesh)
   return graphdef, (params, rest), (p_sh, r_sh)
 
 
-def make_init_fn(cfg: TextConfig, tx):
+def make_init_fn(cfg: ModelConfig, tx):
   """key -> a fresh TrainState; jitted with out_shardings it builds the state directly on the mesh."""
 
   def init(key):
-    model = TextModel(cfg, rngs=nnx.Rngs(params=key))
+    model = build_model(cfg, nnx.Rngs(params=key))
     _, p, r = nnx.split(model, nnx.Param, ...)
     return TrainState(step=jnp.zeros((), jnp.int32), params=p, rest=r, opt_state=tx.init(p),
                       rng=jax.random.fold_in(key, 1))
@@ -59,7 +76,7 @@ def make_init_fn(cfg: TextConfig, tx):
   return init
 
 
-def init_state(cfg: TextConfig, tx, mesh, seed: int) -> tuple[Any, TrainState, Any]:
+def init_state(cfg: ModelConfig, tx, mesh, seed: int) -> tuple[Any, TrainState, Any]:
   """Creates the train state already sharded: jit(init, out_shardings=...) so no host ever holds it whole."""
   graphdef, (params, rest), (p_sh, r_sh) = param_shardings(cfg, mesh)
 
@@ -84,17 +101,20 @@ def state_shardings_for(abstract: TrainState, p_sh, r_sh, mesh) -> TrainState:
   return TrainState(step=replicated, params=p_sh, rest=r_sh, opt_state=opt_sh, rng=replicated)
 
 
-def init_from_export(state: TrainState, path: str, mesh) -> TrainState:
+def init_from_export(state: TrainState, path: str, mesh, cfg: ModelConfig | None = None) -> TrainState:
   """Warm start from an export (e.g. dense -> MSA, the paper's MSA-CPT): every parameter the export has is
   copied (same path, same shape); the rest (MSA index projections and norms) keep their fresh initialisation.
-  The optimizer starts fresh at step 0."""
+  A text export into a VL model fills its `language_model` (continued pretraining of a text model with vision:
+  the tower and projector start fresh). The optimizer starts fresh at step 0."""
   if not ckpt_lib.is_export(path):
     raise FileNotFoundError(f"init_from={path!r} is not an export directory (made by --mode=export)")
-  src_cfg = TextConfig.from_dict(ckpt_lib.load_export_config(path))
+  src_cfg = config_lib.model_config_from_export(ckpt_lib.load_export_config(path))
   _, (params, rest), (p_sh, r_sh) = param_shardings(src_cfg, mesh)
   src = ckpt_lib.restore_params(path, ckpt_lib.abstract_like({"params": params, "rest": rest},
                                                              {"params": p_sh, "rest": r_sh}))
   src_map = {**dict(nnx.to_flat_state(src["params"])), **dict(nnx.to_flat_state(src["rest"]))}
+  if isinstance(cfg, VLConfig) and isinstance(src_cfg, TextConfig):
+    src_map = {("language_model",) + k: v for k, v in src_map.items()}
   copied, fresh = 0, []
 
   def take(tree):
@@ -145,38 +165,135 @@ def prepare_data(config: ml_collections.ConfigDict):
     sources = tuple(d.sources) if d.sources else None  # None: the default built-in set
   else:
     sources = ()
-  return corpus.prepare(d.dir, sources=sources, text_files=parse_text_files(d.text_files),
-                        vocab_size=int(d.vocab_size), verbose=jax.process_index() == 0)
+  manifest = corpus.prepare(d.dir, sources=sources, text_files=parse_text_files(d.text_files),
+                            vocab_size=int(d.vocab_size), verbose=jax.process_index() == 0)
+  if config_lib.is_multimodal(config):
+    from m3_jax.data import vision  # noqa: PLC0415
+    m = d.mm
+    vision.prepare_vision(d.dir, sources=_names(m.prepare_sources) or None,
+                          max_items={k: int(v) for k, v in _weights(m.max_items, "data.mm.max_items").items()},
+                          verbose=jax.process_index() == 0)
+  return manifest
+
+
+def _names(spec: str) -> list[str]:
+  return [s.strip() for s in str(spec).split(",") if s.strip()]
+
+
+def _weights(spec: str, what: str) -> dict[str, float]:
+  """"NAME=W[,NAME=W]" -> {NAME: W}."""
+  out = {}
+  for item in _names(spec):
+    name, _, value = item.partition("=")
+    try:
+      out[name.strip()] = float(value)
+    except ValueError:
+      raise ValueError(f"{what}: {item!r} is not NAME=NUMBER (in {spec!r})") from None
+    if not name.strip():
+      raise ValueError(f"{what}: {item!r} has no NAME (in {spec!r})")
+  return out
+
+
+class VisionFrom:
+  """vision_weight schedule: no multimodal rows before step `start`, then `weight` of each batch's rows."""
+
+  def __init__(self, start: int, weight: float):
+    self.start, self.weight = start, weight
+
+  def __call__(self, step: int) -> float:
+    return self.weight if step >= self.start else 0.0
+
+  def __repr__(self) -> str:
+    return f"VisionFrom(start={self.start}, weight={self.weight})"
+
+
+def vision_spec(config: ml_collections.ConfigDict, cfg: VLConfig):
+  """The static visual shapes of every batch: the model's patch sizes and `data.mm`'s pixel shapes."""
+  from m3_jax.data import vision_pipeline  # noqa: PLC0415
+  m = config.data.mm
+  return vision_pipeline.VisionSpec.from_vision_config(
+      cfg.vision, height=int(m.height), width=int(m.width), num_frames=int(m.num_frames),
+      max_images_per_row=int(m.max_images_per_row), max_videos_per_row=int(m.max_videos_per_row))
+
+
+def _motion(config: ml_collections.ConfigDict):
+  from m3_jax.data import vision  # noqa: PLC0415
+  return vision.MotionConfig(min_objects=int(config.data.mm.min_objects), max_objects=int(config.data.mm.max_objects))
 
 
 def train_iterator(config: ml_collections.ConfigDict):
+  """Infinite training batches (a grain iterator: its state goes into every checkpoint). Text configs: packed
+  text rows. VL configs: each batch mixes text rows with multimodal rows (image- and video-caption examples)."""
   from m3_jax.data import pipeline  # noqa: PLC0415
   d, t = config.data, config.train
-  ds = pipeline.make_train_dataset(d.dir, seq_len=int(t.seq_len), global_batch_size=int(t.batch_size),
-                                   seed=int(t.seed), process_index=jax.process_index(),
-                                   process_count=jax.process_count(), num_workers=int(d.num_workers))
+  common = dict(seq_len=int(t.seq_len), global_batch_size=int(t.batch_size), seed=int(t.seed),
+                process_index=jax.process_index(), process_count=jax.process_count(), num_workers=int(d.num_workers))
+  if not config_lib.is_multimodal(config):
+    return iter(pipeline.make_train_dataset(d.dir, **common))
+  from m3_jax.data import vision_pipeline  # noqa: PLC0415
+  m = d.mm
+  weight, start = float(m.vision_weight), int(m.vision_start_step)
+  kw = {}
+  if _names(m.sprite_sources):
+    kw["sprite_sources"] = _names(m.sprite_sources)
+  ds = vision_pipeline.make_mm_train_dataset(
+      d.dir, spec=vision_spec(config, config_lib.model_config(config)),
+      vision_weight=VisionFrom(start, weight) if start > 0 else weight,
+      mm_sources=_weights(m.sources, "data.mm.sources") or None, text_in_mm_rows=float(m.text_in_mm_rows),
+      caption_first_prob=float(m.caption_first_prob), motion=_motion(config), **kw, **common)
   return iter(ds)
 
 
-def eval_sets(config: ml_collections.ConfigDict) -> dict[str, list[dict]]:
-  """Every prepared source's fixed held-out split (per-source loss and perplexity)."""
+def vl_eval_sets(config: ml_collections.ConfigDict) -> dict[str, list[dict]]:
+  """Held-out multimodal sets: every prepared image source (captions of held-out images), synthetic_video (clips
+  of held-out sprites, with direction/object masks) and real_clips (windows of the real clips), as the batch
+  shapes allow; `data.mm.eval_sources` picks a subset."""
+  from m3_jax.data import vision, vision_pipeline  # noqa: PLC0415
+  d, m = config.data, config.data.mm
+  spec = vision_spec(config, config_lib.model_config(config))
+  names = _names(m.eval_sources)
+  if not names:
+    names = vision_pipeline.list_mm_sources(d.dir, spec)
+    if spec.max_videos_per_row:
+      prepared = vision.load_vision_manifest(d.dir).sources
+      names += [s for s in vision_pipeline.EVAL_ONLY_SOURCES if s in prepared]
+  kw = {"sprite_sources": _names(m.sprite_sources)} if _names(m.sprite_sources) else {}
+  return {name: vision_pipeline.make_mm_eval_batches(
+              d.dir, name, spec=spec, seq_len=int(config.train.seq_len), batch_size=int(config.eval.batch_size),
+              max_batches=int(config.eval.max_batches), num_clips=int(m.eval_num_clips), motion=_motion(config),
+              **kw)
+          for name in names}
+
+
+def eval_sets(config: ml_collections.ConfigDict, cfg: ModelConfig | None = None) -> dict[str, list[dict]]:
+  """Every prepared source's fixed held-out split (per-source loss and perplexity); for a VL config also the
+  image-caption, video-caption and real-clip sets. With `cfg`, every batch is checked now, before any compile."""
   from m3_jax.data import pipeline  # noqa: PLC0415
   d, t = config.data, config.train
-  return {name: pipeline.make_eval_batches(d.dir, name, seq_len=int(t.seq_len),
+  sets = {name: pipeline.make_eval_batches(d.dir, name, seq_len=int(t.seq_len),
                                            batch_size=int(config.eval.batch_size),
                                            max_batches=int(config.eval.max_batches))
           for name in pipeline.list_sources(d.dir)}
+  if config_lib.is_multimodal(config):
+    sets.update(vl_eval_sets(config))
+  if cfg is not None:
+    for name, batches in sets.items():
+      for i, b in enumerate(batches):
+        check_host_batch(b, cfg, f"eval set {name!r}, batch {i}")
+  return sets
 
 
 def to_global(batch: dict, mesh) -> dict:
-  """Host-local numpy batch -> global jax.Arrays sharded over the batch axes."""
+  """Host-local numpy batch -> global jax.Arrays sharded over the batch axes (dim 0 of every array; pixels keep
+  their other dims whole). Keys outside the batch contract stay on the host, except eval masks (`NAME_mask`)."""
   sh = sharding.batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sh, np.asarray(batch[k])) for k in BATCH_KEYS}
+  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()
+          if k in BATCH_KEYS + VISUAL_KEYS or k.endswith("_mask")}
 
 
 # ================================================================================================== checks ==
 
-def check_fits(cfg: TextConfig, config: ml_collections.ConfigDict, mesh) -> None:
+def check_fits(cfg: ModelConfig, config: ml_collections.ConfigDict, mesh) -> None:
   div = sharding.batch_divisor(mesh)
   bs = int(config.train.batch_size)
   if bs % div:
@@ -190,29 +307,69 @@ def check_fits(cfg: TextConfig, config: ml_collections.ConfigDict, mesh) -> None
   param_shardings(cfg, mesh)  # raises, naming the parameter, if a dim does not divide over its mesh axes
 
 
-def check_vocab(cfg: TextConfig, manifest) -> None:
+def check_vocab(cfg: ModelConfig, manifest) -> None:
   vocab = int(getattr(manifest, "vocab_size", None) or manifest["vocab_size"])
-  if vocab > cfg.vocab_size:
-    raise ValueError(f"the tokenizer has {vocab} tokens but model.vocab_size={cfg.vocab_size}")
+  text = config_lib.text_config(cfg)
+  if vocab > text.vocab_size:
+    raise ValueError(f"the tokenizer has {vocab} tokens but model.vocab_size={text.vocab_size}")
 
 
-def _param_shapes(model: dict) -> dict[str, tuple]:
-  import dataclasses  # noqa: PLC0415
-  known = {f.name for f in dataclasses.fields(TextConfig)}
-  cfg = TextConfig.from_dict({k: v for k, v in model.items() if k in known})
+def check_host_batch(batch: dict, cfg: ModelConfig, what: str) -> None:
+  """Eager numpy checks of a host batch before it reaches a compiled step (a few comparisons per token).
+
+  VL: `check_batch` (pixel shapes, one placeholder per visual token, in every row) and the loss on text only:
+  `loss_mask` must be 0 wherever the target is a visual token or a visual span's start/end marker. A violation
+  is a ValueError naming `what` (which batch) instead of a silently wrong loss or a shape error inside XLA."""
+  missing = [k for k in BATCH_KEYS if k not in batch]
+  if missing:
+    raise ValueError(f"{what}: the batch has no {missing} (keys: {sorted(batch)})")
+  if not isinstance(cfg, VLConfig):
+    return
+  try:
+    check_batch(batch, cfg)
+  except ValueError as e:
+    raise ValueError(f"{what}: {e}") from None
+  visual = np.isin(np.asarray(batch["targets"]), visual_token_ids(cfg))
+  bad = visual & (np.asarray(batch["loss_mask"]) != 0)
+  if bad.any():
+    row, col = (int(i[0]) for i in np.nonzero(bad))
+    raise ValueError(f"{what}: loss_mask is {batch['loss_mask'][row, col]} at row {row}, position {col}, where the "
+                     f"target is the visual token {int(batch['targets'][row, col])}; the loss must be on text "
+                     f"tokens only ({int(bad.sum())} such positions in the batch)")
+
+
+def visual_token_ids(cfg: VLConfig) -> np.ndarray:
+  """Target ids that never carry loss: the placeholders and the start/end markers of visual spans (our
+  tokenizer's <|image_start|> .. <|video_end|>, m3_jax/data/tokenizer.py)."""
+  from m3_jax.data.tokenizer import SPECIAL_TOKENS  # noqa: PLC0415
+  markers = [i for i, t in enumerate(SPECIAL_TOKENS) if t.strip("<|>").split("_")[0] in ("image", "video")]
+  return np.asarray(sorted({cfg.image_token_index, cfg.video_token_index, *markers}), np.int64)
+
+
+def _param_shapes(run_config: dict) -> dict[str, tuple]:
+  cfg = config_lib.model_config(run_config, known_only=True)
   _, params, rest = abstract_model(cfg)
   return {"/".join(map(str, k)): tuple(v.get_value().shape)
           for tree in (params, rest) for k, v in nnx.to_flat_state(tree)}
 
 
+def _model_fields(run_config: dict) -> dict[str, Any]:
+  """{"hidden_size": .., "vision.hidden_size": .., ...}: the model sections flattened (text fields unprefixed)."""
+  out = {}
+  for sec in config_lib.MODEL_SECTIONS:
+    for k, v in (run_config.get(sec) or {}).items():
+      out[k if sec == "model" else f"{sec}.{k}"] = v
+  return out
+
+
 def check_compatible(saved: dict | None, current: dict, workdir: str) -> None:
   """A checkpoint restores into the current model iff every parameter has the same path and shape; switches that
-  do not change parameters (attention_impl, remat, dtype, MSA warmup, ...) may differ."""
+  do not change parameters (attention_impl, remat, dtype, MSA warmup, max_frames, ...) may differ."""
   if not saved:
     return
-  old, new = saved.get("model", {}), current["model"]
-  if _param_shapes(old) == _param_shapes(new):
+  if _param_shapes(saved) == _param_shapes(current):
     return
+  old, new = _model_fields(saved), _model_fields(current)
   diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
   details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
   raise ValueError(f"workdir {workdir} holds a checkpoint of a different model ({details}); "
@@ -232,18 +389,42 @@ def _compile(fn, *args):
   return compiled
 
 
+def train_flops_per_step(cfg: ModelConfig, config: ml_collections.ConfigDict, batch: dict | None) -> float:
+  """Model FLOPs of one train step (fwd + bwd = 3x fwd), the MFU numerator: the text tower over batch x seq_len
+  tokens, plus for VL the vision tower + projector on every item slot of the global batch (padding items too:
+  they are computed)."""
+  b, t = int(config.train.batch_size), int(config.train.seq_len)
+  flops = train_flops_per_token(config_lib.text_config(cfg), t) * b * t
+  if isinstance(cfg, VLConfig) and batch is not None:
+    for key in ("images", "videos"):
+      if key in batch:
+        _, n, f, h, w, _ = batch[key].shape
+        flops += 3.0 * b * n * vision_flops(cfg, f, h, w)
+  return flops
+
+
 def evaluate_sets(eval_fn, params, rest, sets: dict[str, list[dict]], mesh) -> dict[str, float]:
+  """Per source: loss and perplexity over every target token with loss_mask (text only in a VL batch), the
+  teacher-forced next-token accuracy, and both again over each extra mask of the set (`eval/synthetic_video/
+  direction_loss`, `.../direction_accuracy`: the caption tokens that need the clip's temporal order)."""
   out = {}
   for name, batches in sets.items():
-    loss_sum = tokens = 0.0
+    sums: dict[str, float] = {}
     for b in batches:
-      m = jax.device_get(eval_fn(params, rest, to_global(b, mesh)))
-      loss_sum += float(m["loss_sum"])
-      tokens += float(m["tokens"])
-    loss = loss_sum / max(tokens, 1.0)
+      for k, v in jax.device_get(eval_fn(params, rest, to_global(b, mesh))).items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+    loss = sums["loss_sum"] / max(sums["tokens"], 1.0)
     out[f"eval/{name}/loss"] = loss
     out[f"eval/{name}/perplexity"] = float(math.exp(min(loss, 50.0)))
-    out[f"eval/{name}/tokens"] = tokens
+    out[f"eval/{name}/accuracy"] = sums["correct"] / max(sums["tokens"], 1.0)
+    out[f"eval/{name}/tokens"] = sums["tokens"]
+    for k in sorted(sums):
+      if k.endswith("/tokens"):
+        sub = k[:-len("/tokens")]
+        n = max(sums[k], 1.0)
+        out[f"eval/{name}/{sub}_loss"] = sums[f"{sub}/loss_sum"] / n
+        out[f"eval/{name}/{sub}_accuracy"] = sums[f"{sub}/correct"] / n
+        out[f"eval/{name}/{sub}_tokens"] = sums[k]
   if out:
     losses = [v for k, v in out.items() if k.endswith("/loss")]
     out["eval/mean_loss"] = float(np.mean(losses))
@@ -289,38 +470,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   manifest = prepare_data(config)
   check_vocab(cfg, manifest)
   data_iter = train_iterator(config)
-  evals = eval_sets(config)
+  evals = eval_sets(config, cfg)
 
   # ---- model, optimizer, state born sharded ------------------------------------------------------------------------
   tx, schedule = make_optimizer(ocfg)
   graphdef, state, state_sh = init_state(cfg, tx, mesh, int(config.train.seed))
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  log(f"model: {n_params / 1e6:.2f}M parameters, layers {cfg.layer_types} / {cfg.mlp_layer_types}")
+  text_cfg = config_lib.text_config(cfg)
+  log(f"model: {n_params / 1e6:.2f}M parameters, layers {text_cfg.layer_types} / {text_cfg.mlp_layer_types}"
+      + (f"; vision tower {cfg.vision.num_hidden_layers} x {cfg.vision.hidden_size}, max_frames "
+         f"{cfg.vision.max_frames}" if isinstance(cfg, VLConfig) else ""))
   if latest is not None:
     abstract = ckpt_lib.abstract_like(state, state_sh)
     del state
     state = ckpt.restore(latest, abstract, data_iter)
     log(f"resumed from step {latest} in {workdir}")
   elif config.get("init_from"):
-    state = init_from_export(state, config.init_from, mesh)
+    state = init_from_export(state, config.init_from, mesh, cfg)
   start = int(jax.device_get(state.step))
 
   # ---- steps, compiled ahead of time -------------------------------------------------------------------------------
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
-                                       kl_weight=cfg.kl_weight),
+                                       kl_weight=text_cfg.kl_weight),
                        in_shardings=(state_sh, sharding.batch_sharding(mesh)),
                        out_shardings=(state_sh, None), donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(graphdef),
                       in_shardings=(state_sh.params, state_sh.rest, sharding.batch_sharding(mesh)))
-  batch = to_global(next(data_iter), mesh) if start < steps else None
+  host_batch = next(data_iter) if start < steps else None
+  if host_batch is not None:  # a bad batch is a clear error here, not a shape error inside the compiled step
+    check_host_batch(host_batch, cfg, f"train batch {start + 1}")
+  batch = to_global(host_batch, mesh) if host_batch is not None else None
   with jax.set_mesh(mesh):
     compiled = _compile(train_step, state, batch) if batch is not None else None
 
   # ---- loop -------------------------------------------------------------------------------------------------------
   writer = MetricWriter(workdir, process_index=jax.process_index())
-  flops_tok = train_flops_per_token(cfg, int(config.train.seq_len))
+  flops_step = train_flops_per_step(cfg, config, host_batch)
   peak = peak_flops(jax.devices()[0])
   log_every, eval_every = int(config.train.log_every), int(config.train.eval_every)
+  tokens_per_step = float(config.train.batch_size) * float(config.train.seq_len)
   progress = Progress(steps, start, quiet=jax.process_index() != 0)
   stopper = _Stop()
   final_eval: dict = {}
@@ -345,7 +533,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       while step < steps:
         state, metrics = compiled(state, batch)
         step += 1
-        tok_last += float(config.train.batch_size) * float(config.train.seq_len)
+        tok_last += tokens_per_step
         is_log = step % log_every == 0 or step == steps or step == start + 1
         saving = ckpt.every > 0 and step % ckpt.every == 0
         if is_log or saving:
@@ -359,7 +547,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             tps = tok_last / max(dt, 1e-9)
             m = {k: v for k, v in m.items() if k != "tokens"}
             m["tokens_per_sec"] = tps
-            m["mfu"] = (tps * flops_tok / (peak * jax.device_count())) if peak else None
+            m["mfu"] = (tps * flops_step / tokens_per_step / (peak * jax.device_count())) if peak else None
             writer.write(step, m)
             progress.update(step, f"loss {float(m['loss']):.4f} lr {float(m['lr']):.2e} "
                             f"gnorm {float(m['grad_norm']):.3f} {tps:,.0f} tok/s")
@@ -378,7 +566,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           save(step, force=True)
           break
         if step < steps:
-          batch = to_global(next(data_iter), mesh)
+          host_batch = next(data_iter)
+          check_host_batch(host_batch, cfg, f"train batch {step + 1}")
+          batch = to_global(host_batch, mesh)
       else:
         if last_saved != step:
           save(step, force=True)
@@ -411,7 +601,7 @@ def load_params(config: ml_collections.ConfigDict, workdir: str, mesh, checkpoin
   """Params from an export directory (params-only) or the latest train checkpoint of `workdir`."""
   path = checkpoint or config.get("eval_checkpoint", "") or ""
   if path and ckpt_lib.is_export(path):
-    cfg = TextConfig.from_dict(ckpt_lib.load_export_config(path))
+    cfg = config_lib.model_config_from_export(ckpt_lib.load_export_config(path))
     graphdef, (params, rest), (p_sh, r_sh) = param_shardings(cfg, mesh)
     both = ckpt_lib.restore_params(path, ckpt_lib.abstract_like({"params": params, "rest": rest},
                                                                 {"params": p_sh, "rest": r_sh}))
@@ -438,7 +628,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, checkpoint: str | 
   mesh = sharding.make_mesh(dict(config.mesh))
   cfg, graphdef, params, rest, what = load_params(config, workdir, mesh, checkpoint)
   prepare_data(config)
-  evals = eval_sets(config)
+  evals = eval_sets(config, cfg)
   p_sh = jax.tree.map(lambda x: x.sharding, params)
   r_sh = jax.tree.map(lambda x: x.sharding, rest)
   eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, r_sh, sharding.batch_sharding(mesh)))

@@ -1,0 +1,341 @@
+r"""The max_frames sweep of configs/vit3d_frames.py: held-out caption quality vs vision cost per ViT segment length.
+
+  # GPU box (H200), the four settings one after another (~2-3 min each), then the report:
+  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=experiments/results/vit3d_frames
+  # one setting per command (each resumes or reuses a finished run), then only the report:
+  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=... --settings=4
+  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=... --report_only
+  # CPU smoke (tests/test_vlm_train.py runs this at size=micro):
+  python experiments/vit3d_frames.py --size=micro --settings=1,2 --data_dir=/tmp/d --sweep_dir=/tmp/vit3d
+
+Each setting trains in its own workdir (SWEEP_DIR/mf{N}[_s{seed}]) and is evaluated on held-out synthetic clips
+(sprites from the held-out split). Per setting the report gives:
+
+* quality: caption loss and token accuracy (teacher-forced argmax) over the held-out captions, and the accuracy
+  on the caption tokens that need temporal information: the direction words (`direction`, 4-way) and the object
+  names, whose order is the order of appearance (`object`); the standard error is binomial over those tokens
+  (or across seeds when several are run);
+* cost: vision-tower + projector forward FLOPs per clip in closed form (m3_jax.models.multimodal.vision_flops:
+  the attention part grows linearly with max_frames), the measured time of one compiled train step and of the
+  tower's forward on one batch (median of --time_steps, inputs already on the device), and the wall time per
+  training step from the run's log (which includes the host input pipeline).
+
+Writes SWEEP_DIR/results.json, SWEEP_DIR/report.md and SWEEP_DIR/vit3d_frames.png. The motion is synthetic (real
+images moved along straight lines by code); the verdict in report.md is computed from the numbers, not assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+SOURCE = "synthetic_video"
+QUALITY = ("loss", "accuracy", "direction_accuracy", "object_accuracy", "direction_loss", "object_loss")
+
+
+def make_config(size: str, max_frames: int, seed: int, steps: int, data_dir: str, overrides: list[str]):
+  from configs import vit3d_frames  # noqa: PLC0415
+  arg = f"max_frames={max_frames},size={size},seed={seed}" + (f",steps={steps}" if steps else "")
+  c = vit3d_frames.get_config(arg)
+  c.data.dir = data_dir
+  for item in overrides:
+    key, eq, value = item.partition("=")
+    if not eq:
+      raise SystemExit(f"--override {item!r}: expected KEY=VALUE, e.g. train.steps=100")
+    node = c
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    old = node[last]
+    node[last] = type(old)(value) if not isinstance(old, bool) else value.lower() in ("1", "true", "yes")
+  return c
+
+
+def final_eval(workdir: str) -> dict:
+  from m3_jax.train.metrics import read_metrics  # noqa: PLC0415
+  rows = [r for r in read_metrics(workdir) if f"eval/{SOURCE}/loss" in r]
+  if not rows:
+    raise RuntimeError(f"{workdir}: metrics.jsonl has no eval/{SOURCE} row")
+  last = max(rows, key=lambda r: r["step"])
+  return {"step": last["step"], **{k.split("/", 2)[2]: v for k, v in last.items() if k.startswith(f"eval/{SOURCE}/")}}
+
+
+def train_wall_ms(workdir: str, config) -> float | None:
+  """Median wall time per step over the logged intervals after the first (data pipeline included)."""
+  from m3_jax.train.metrics import read_metrics  # noqa: PLC0415
+  rows = [r for r in read_metrics(workdir) if r.get("tokens_per_sec")]
+  rows = rows[1:] if len(rows) > 1 else rows
+  if not rows:
+    return None
+  tokens = float(config.train.batch_size) * float(config.train.seq_len)
+  return 1e3 * statistics.median(tokens / r["tokens_per_sec"] for r in rows)
+
+
+def measure(config, n: int) -> dict:
+  """Compiled train-step and tower-forward times on one real batch (fresh weights: the cost does not depend on
+  them); median of n timed calls after one warm-up call."""
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from m3_jax.train import config_lib, sharding, trainer  # noqa: PLC0415
+  from m3_jax.train.optimizer import make_optimizer  # noqa: PLC0415
+  from m3_jax.train.steps import make_train_step  # noqa: PLC0415
+  config = config.copy_and_resolve_references()
+  config.data.num_workers = 0  # one batch is enough
+  cfg = config_lib.model_config(config)
+  mesh = sharding.make_mesh(dict(config.mesh))
+  tx, schedule = make_optimizer(config_lib.optim_config(config))
+  graphdef, state, state_sh = trainer.init_state(cfg, tx, mesh, 0)
+  batch = trainer.to_global(next(trainer.train_iterator(config)), mesh)
+  step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=0.0, kl_weight=0.0),
+                 in_shardings=(state_sh, sharding.batch_sharding(mesh)), out_shardings=(state_sh, None),
+                 donate_argnums=(0,))
+
+  @jax.jit
+  def tower(params, rest, videos):
+    return nnx.merge(graphdef, params, rest).encode(videos)
+
+  def timed(fn):
+    jax.block_until_ready(fn())
+    out = []
+    for _ in range(n):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      out.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(out)
+
+  with jax.set_mesh(mesh):
+    holder = {"state": state}
+
+    def one_step():
+      holder["state"], m = step(holder["state"], batch)
+      return m
+
+    step_ms = timed(one_step)
+    s = holder["state"]
+    tower_ms = timed(lambda: tower(s.params, s.rest, batch["videos"]))
+  return {"step_ms": step_ms, "tower_fwd_ms": tower_ms, "clips_per_batch": int(batch["videos"].shape[0] *
+                                                                               batch["videos"].shape[1])}
+
+
+def vision_cost(config) -> dict:
+  from m3_jax.models.multimodal import vision_flops  # noqa: PLC0415
+  from m3_jax.train import config_lib  # noqa: PLC0415
+  cfg = config_lib.model_config(config)
+  d, v = config.data.mm, cfg.vision
+  f, h, w = int(d.num_frames), int(d.height), int(d.width)
+  total = vision_flops(cfg, f, h, w)
+  t = f // v.temporal_patch_size
+  mf = min(v.max_frames, t)
+  return {"vision_gflops_per_clip": total / 1e9, "attention_share": _attention_flops(cfg, f, h, w, mf) / total,
+          "temporal_patches": t, "segment_patches": mf * (h // v.patch_size) * (w // v.patch_size),
+          "visual_tokens_per_clip": v.num_visual_tokens(f, h, w)}
+
+
+def _attention_flops(cfg, f, h, w, max_frames) -> float:
+  v = cfg.vision
+  t, gh, gw = f // v.temporal_patch_size, h // v.patch_size, w // v.patch_size
+  mf = min(max_frames, t)
+  n_seg = -(-t // mf)
+  return v.num_hidden_layers * 4.0 * n_seg * (mf * gh * gw) ** 2 * v.hidden_size
+
+
+def aggregate(runs: list[dict]) -> dict:
+  """Mean over seeds; standard error across seeds when there are several, else binomial over the tokens."""
+  out = {"seeds": [r["seed"] for r in runs]}
+  for key in QUALITY:
+    vals = [r["eval"][key] for r in runs if key in r["eval"]]
+    if not vals:
+      continue
+    out[key] = statistics.fmean(vals)
+    if len(vals) > 1:
+      out[key + "_se"] = statistics.stdev(vals) / math.sqrt(len(vals))
+    elif key.endswith("accuracy"):
+      tok = runs[0]["eval"].get(key.replace("accuracy", "tokens"), 0.0)
+      p = out[key]
+      out[key + "_se"] = math.sqrt(max(p * (1 - p), 1e-12) / tok) if tok else None
+  for key in ("step_ms", "tower_fwd_ms", "train_wall_ms"):
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    out[key] = statistics.median(vals) if vals else None
+  out.update(runs[0]["cost"])
+  return out
+
+
+def verdict(table: dict[int, dict]) -> list[str]:
+  """Which max_frames is the best trade-off here, from the numbers: the cheapest setting whose direction and
+  object accuracy are both within one standard error (of the difference) of the best setting's."""
+  lines = []
+  settings = sorted(table)
+  if not all("direction_accuracy" in table[s] for s in settings):
+    return ["(no direction/object accuracy: the held-out set exposes no temporal masks)"]
+  best = {}
+  for key in ("direction_accuracy", "object_accuracy"):
+    best[key] = max(settings, key=lambda s: table[s][key])
+    lines.append(f"- best {key.replace('_', ' ')}: max_frames={best[key]} ({table[best[key]][key]:.3f})")
+
+  def close(s, key):
+    b = best[key]
+    se = math.hypot(table[s].get(key + "_se") or 0.0, table[b].get(key + "_se") or 0.0)
+    return table[b][key] - table[s][key] <= se
+
+  ok = [s for s in settings if close(s, "direction_accuracy") and close(s, "object_accuracy")]
+  cheapest = min(ok, key=lambda s: table[s]["vision_gflops_per_clip"])
+  lines.append(f"- cheapest setting within one standard error of the best on both: max_frames={cheapest} "
+               f"({table[cheapest]['vision_gflops_per_clip']:.3f} vision GFLOPs per clip)")
+  if 4 in table:
+    if cheapest == 4:
+      lines.append("- so 4 frames per segment IS the best trade-off in this run")
+    else:
+      lines.append(f"- so 4 frames per segment is NOT the best trade-off in this run (max_frames={cheapest} is)")
+  spread = max(table[s]["direction_accuracy"] for s in settings) - min(table[s]["direction_accuracy"]
+                                                                      for s in settings)
+  ses = [table[s].get("direction_accuracy_se") or 0.0 for s in settings]
+  if spread <= 2 * max(ses):
+    lines.append(f"- the direction accuracy spread across settings ({spread:.3f}) is within 2 standard errors "
+                 f"({2 * max(ses):.3f}): this run cannot tell the settings apart; train longer or more seeds")
+  return lines
+
+
+def write_report(sweep_dir: str, size: str, table: dict[int, dict], meta: dict) -> tuple[str, str, str]:
+  os.makedirs(sweep_dir, exist_ok=True)
+  js = os.path.join(sweep_dir, "results.json")
+  with open(js, "w") as f:
+    json.dump({"meta": meta, "settings": {str(k): v for k, v in sorted(table.items())}}, f, indent=2)
+
+  def fmt(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+  def pm(row, key):
+    se = row.get(key + "_se")
+    return fmt(row.get(key)) + ("" if se is None else f" ± {se:.3f}")
+
+  lines = [
+      f"# ViT segment length (max_frames) sweep, size `{size}`", "",
+      f"Task: captions of synthetic-motion clips ({meta['frames']} frames of {meta['height']}x{meta['width']}, "
+      f"{meta['temporal_patches']} temporal patches; real images moved along straight lines by code, 1-3 objects "
+      "appearing one after another). Held-out clips use held-out sprites. Direction words are a 4-way choice "
+      "(chance 0.25 given the slot); object names carry the order of appearance.", "",
+      f"Trained {meta['steps']} steps, batch {meta['batch_size']} x {meta['seq_len']} tokens, seeds {meta['seeds']}; "
+      f"device: {meta['device']}.", "",
+      "| max_frames | segment patches | vision GFLOPs/clip | attention share | step ms | tower fwd ms | "
+      "train wall ms/step | caption loss | token acc | direction acc | object (order) acc |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for s in sorted(table):
+    r = table[s]
+    lines.append(f"| {s} | {r['segment_patches']} | {r['vision_gflops_per_clip']:.4f} | "
+                 f"{r['attention_share']:.3f} | {fmt(r['step_ms'], 2)} | {fmt(r['tower_fwd_ms'], 2)} | "
+                 f"{fmt(r['train_wall_ms'], 1)} | {fmt(r['loss'])} | {fmt(r['accuracy'])} | "
+                 f"{pm(r, 'direction_accuracy')} | {pm(r, 'object_accuracy')} |")
+  lines += ["", "## Verdict (computed from the table)", "", *verdict(table), "",
+            f"Workdirs: {', '.join(meta['workdirs'])}. Numbers: `results.json`; plot: `vit3d_frames.png`.", ""]
+  md = os.path.join(sweep_dir, "report.md")
+  with open(md, "w") as f:
+    f.write("\n".join(lines))
+  return js, md, plot(sweep_dir, table)
+
+
+def plot(sweep_dir: str, table: dict[int, dict]) -> str:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  xs = sorted(table)
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  ax = axes[0]
+  for key, label in (("direction_accuracy", "direction words"), ("object_accuracy", "object names (order)"),
+                     ("accuracy", "all caption tokens")):
+    ys = [table[x].get(key) for x in xs]
+    err = [table[x].get(key + "_se") or 0.0 for x in xs]
+    if any(y is not None for y in ys):
+      ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+  ax.set(title="held-out accuracy", xlabel="max_frames (temporal patches per segment)", xscale="log")
+  ax.legend(fontsize=8)
+  ax = axes[1]
+  ax.plot(xs, [table[x]["loss"] for x in xs], marker="o")
+  ax.set(title="held-out caption loss (nats/token)", xlabel="max_frames", xscale="log")
+  ax = axes[2]
+  ax.plot(xs, [table[x]["vision_gflops_per_clip"] for x in xs], marker="o", color="C3", label="vision GFLOPs/clip")
+  ax.set(title="cost", xlabel="max_frames", xscale="log", ylabel="GFLOPs per clip")
+  ax2 = ax.twinx()
+  for key, style in (("step_ms", "s-"), ("tower_fwd_ms", "^-")):
+    ys = [table[x].get(key) for x in xs]
+    if all(y is not None for y in ys):
+      ax2.plot(xs, ys, style, color="C4" if key == "step_ms" else "C5", label=key)
+  ax2.set_ylabel("ms")
+  h1, l1 = ax.get_legend_handles_labels()
+  h2, l2 = ax2.get_legend_handles_labels()
+  ax.legend(h1 + h2, l1 + l2, fontsize=8)
+  for a in axes:
+    a.set_xticks(xs)
+    a.set_xticklabels([str(x) for x in xs])
+  fig.tight_layout()
+  out = os.path.join(sweep_dir, "vit3d_frames.png")
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--size", default="cpu", help="micro | cpu | gpu (configs/vit3d_frames.py SIZES)")
+  ap.add_argument("--settings", default="1,2,4,8", help="max_frames values")
+  ap.add_argument("--seeds", default="0", help="comma-separated training seeds per setting")
+  ap.add_argument("--steps", type=int, default=0, help="train steps (0: the size's default)")
+  ap.add_argument("--data_dir", default=os.path.join(REPO, "data"))
+  ap.add_argument("--sweep_dir", default=os.path.join(REPO, "workdirs", "vit3d_frames"))
+  ap.add_argument("--override", action="append", default=[], help="KEY=VALUE on the config, e.g. train.steps=50")
+  ap.add_argument("--time_steps", type=int, default=10, help="timed calls per setting (0: skip timing)")
+  ap.add_argument("--report_only", action="store_true", help="only read finished workdirs and write the report")
+  a = ap.parse_args(argv)
+
+  import jax  # noqa: PLC0415
+  from m3_jax.train import trainer  # noqa: PLC0415
+  settings = [int(s) for s in a.settings.split(",") if s.strip()]
+  seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+  sweep_dir = os.path.abspath(a.sweep_dir)
+  timing_path = os.path.join(sweep_dir, "timing.json")
+  timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
+  runs: dict[int, list[dict]] = {}
+  workdirs, config = [], None
+  for mf in settings:
+    for seed in seeds:
+      config = make_config(a.size, mf, seed, a.steps, a.data_dir, a.override)
+      work = os.path.join(sweep_dir, f"mf{mf}" + (f"_s{seed}" if len(seeds) > 1 else ""))
+      workdirs.append(os.path.relpath(work, sweep_dir))
+      if not a.report_only:
+        t0 = time.time()
+        trainer.train_and_evaluate(config, work)
+        print(f"[vit3d_frames] max_frames={mf} seed={seed}: trained in {time.time() - t0:.0f}s -> {work}",
+              flush=True)
+      runs.setdefault(mf, []).append({"seed": seed, "eval": final_eval(work), "cost": vision_cost(config),
+                                      "train_wall_ms": train_wall_ms(work, config)})
+    if not a.report_only and a.time_steps > 0:
+      timing[str(mf)] = measure(config, a.time_steps)
+      os.makedirs(sweep_dir, exist_ok=True)
+      with open(timing_path, "w") as f:
+        json.dump(timing, f, indent=2)
+    for r in runs[mf]:
+      r.update(timing.get(str(mf), {}))
+  table = {mf: aggregate(rs) for mf, rs in runs.items()}
+  d = config.data.mm
+  meta = {"size": a.size, "steps": int(config.train.steps), "batch_size": int(config.train.batch_size),
+          "seq_len": int(config.train.seq_len), "frames": int(d.num_frames), "height": int(d.height),
+          "width": int(d.width), "temporal_patches": table[settings[0]]["temporal_patches"], "seeds": seeds,
+          "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "workdirs": workdirs,
+          "overrides": a.override}
+  js, md, png = write_report(sweep_dir, a.size, table, meta)
+  print(open(md).read())
+  print(f"[vit3d_frames] wrote {js}, {md}, {png}")
+  return table
+
+
+if __name__ == "__main__":
+  main()
