@@ -1027,6 +1027,12 @@ def render_clip(objs: Sequence[MotionObject], sprites: Mapping[int, tuple[np.nda
     sprites, of the side the plan was made for. background: float32 [3], the plain background colour. Later
     objects are drawn on top.
   """
+  background = np.asarray(background, np.float32)
+  if background.shape != (3,):
+    raise ValueError(f"render_clip: background has shape {background.shape}; expected (3,), an RGB colour")
+  missing = sorted({o.sprite for o in objs} - set(sprites))
+  if missing:
+    raise ValueError(f"render_clip: sprites has no entry for sprite indices {missing} used by the plan")
   canvas = np.empty((num_frames, height, width, 3), np.float32)
   canvas[:] = background
   for obj in objs:
