@@ -21,6 +21,7 @@ setup(
         "tokenizers>=0.22,<0.24",
         "tensorboardX>=2.6",
         "matplotlib>=3.8",
+        "pillow>=10",
     ],
     extras_require={"test": ["pytest"]},
 )
