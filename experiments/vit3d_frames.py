@@ -79,9 +79,10 @@ def train_wall_ms(workdir: str, config) -> float | None:
   return 1e3 * statistics.median(tokens / r["tokens_per_sec"] for r in rows)
 
 
-def measure(config, n: int) -> dict:
-  """Compiled train-step and tower-forward times on one real batch (fresh weights: the cost does not depend on
-  them); median of n timed calls after one warm-up call."""
+def measure(config, workdir: str, n: int) -> dict:
+  """Compiled train-step and tower-forward times on one real batch, from the trained state of `workdir` (the
+  step is built as the trainer builds it, so the compilation cache serves it); median of n timed calls after one
+  warm-up call."""
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
@@ -93,9 +94,13 @@ def measure(config, n: int) -> dict:
   cfg = config_lib.model_config(config)
   mesh = sharding.make_mesh(dict(config.mesh))
   tx, schedule = make_optimizer(config_lib.optim_config(config))
-  graphdef, state, state_sh = trainer.init_state(cfg, tx, mesh, 0)
+  graphdef, abstract, state_sh = trainer.abstract_state(cfg, tx, mesh)
+  ckpt = trainer.make_checkpointer(config, workdir)
+  state = ckpt.restore(ckpt.latest_step(), abstract)
+  ckpt.close()
   batch = trainer.to_global(next(trainer.train_iterator(config)), mesh)
-  step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=0.0, kl_weight=0.0),
+  step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
+                                 kl_weight=config_lib.text_config(cfg).kl_weight),
                  in_shardings=(state_sh, sharding.batch_sharding(mesh)), out_shardings=(state_sh, None),
                  donate_argnums=(0,))
 
@@ -294,6 +299,9 @@ def main(argv=None):
   ap.add_argument("--override", action="append", default=[], help="KEY=VALUE on the config, e.g. train.steps=50")
   ap.add_argument("--time_steps", type=int, default=10, help="timed calls per setting (0: skip timing)")
   ap.add_argument("--report_only", action="store_true", help="only read finished workdirs and write the report")
+  ap.add_argument("--compilation_cache", default="",
+                  help="persistent XLA cache directory ('' = SWEEP_DIR/.jax_cache, 'none' = off): the settings share "
+                       "the init and eval programs, and timing reuses each training step's")
   a = ap.parse_args(argv)
 
   import jax  # noqa: PLC0415
@@ -301,6 +309,9 @@ def main(argv=None):
   settings = [int(s) for s in a.settings.split(",") if s.strip()]
   seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
   sweep_dir = os.path.abspath(a.sweep_dir)
+  if a.compilation_cache != "none":
+    jax.config.update("jax_compilation_cache_dir", a.compilation_cache or os.path.join(sweep_dir, ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   timing_path = os.path.join(sweep_dir, "timing.json")
   timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
   runs: dict[int, list[dict]] = {}
@@ -318,7 +329,7 @@ def main(argv=None):
       runs.setdefault(mf, []).append({"seed": seed, "eval": final_eval(work), "cost": vision_cost(config),
                                       "train_wall_ms": train_wall_ms(work, config)})
     if not a.report_only and a.time_steps > 0:
-      timing[str(mf)] = measure(config, a.time_steps)
+      timing[str(mf)] = measure(config, work, a.time_steps)
       os.makedirs(sweep_dir, exist_ok=True)
       with open(timing_path, "w") as f:
         json.dump(timing, f, indent=2)

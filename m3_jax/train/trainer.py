@@ -76,15 +76,20 @@ def make_init_fn(cfg: ModelConfig, tx):
   return init
 
 
+def abstract_state(cfg: ModelConfig, tx, mesh) -> tuple[Any, TrainState, Any]:
+  """(graphdef, the TrainState as ShapeDtypeStructs carrying their shardings, the shardings): a restore target,
+  from shapes alone (nothing is allocated or compiled)."""
+  graphdef, _, (p_sh, r_sh) = param_shardings(cfg, mesh)
+  abstract = jax.eval_shape(make_init_fn(cfg, tx), jax.random.key(0))
+  state_sh = state_shardings_for(abstract, p_sh, r_sh, mesh)
+  return graphdef, ckpt_lib.abstract_like(abstract, state_sh), state_sh
+
+
 def init_state(cfg: ModelConfig, tx, mesh, seed: int) -> tuple[Any, TrainState, Any]:
   """Creates the train state already sharded: jit(init, out_shardings=...) so no host ever holds it whole."""
-  graphdef, (params, rest), (p_sh, r_sh) = param_shardings(cfg, mesh)
-
-  init = make_init_fn(cfg, tx)
-  abstract = jax.eval_shape(init, jax.random.key(seed))
-  state_sh = state_shardings_for(abstract, p_sh, r_sh, mesh)
+  graphdef, _, state_sh = abstract_state(cfg, tx, mesh)
   with jax.set_mesh(mesh):
-    state = jax.jit(init, out_shardings=state_sh)(jax.random.key(seed))
+    state = jax.jit(make_init_fn(cfg, tx), out_shardings=state_sh)(jax.random.key(seed))
   return graphdef, state, state_sh
 
 
@@ -472,22 +477,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   data_iter = train_iterator(config)
   evals = eval_sets(config, cfg)
 
-  # ---- model, optimizer, state born sharded ------------------------------------------------------------------------
+  # ---- model, optimizer, state born sharded (or restored: then nothing is initialised) -------------------------
   tx, schedule = make_optimizer(ocfg)
-  graphdef, state, state_sh = init_state(cfg, tx, mesh, int(config.train.seed))
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  graphdef, abstract, state_sh = abstract_state(cfg, tx, mesh)
+  n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
   text_cfg = config_lib.text_config(cfg)
   log(f"model: {n_params / 1e6:.2f}M parameters, layers {text_cfg.layer_types} / {text_cfg.mlp_layer_types}"
       + (f"; vision tower {cfg.vision.num_hidden_layers} x {cfg.vision.hidden_size}, max_frames "
          f"{cfg.vision.max_frames}" if isinstance(cfg, VLConfig) else ""))
+  state = None
   if latest is not None:
-    abstract = ckpt_lib.abstract_like(state, state_sh)
-    del state
     state = ckpt.restore(latest, abstract, data_iter)
     log(f"resumed from step {latest} in {workdir}")
-  elif config.get("init_from"):
-    state = init_from_export(state, config.init_from, mesh, cfg)
-  start = int(jax.device_get(state.step))
+  start = int(jax.device_get(state.step)) if state is not None else 0
+  # The first batch is checked before anything is compiled: a bad batch is a clear error here, not minutes later
+  # (or a shape error inside the compiled step).
+  host_batch = next(data_iter) if start < steps else None
+  if host_batch is not None:
+    check_host_batch(host_batch, cfg, f"train batch {start + 1}")
+  if state is None:
+    graphdef, state, state_sh = init_state(cfg, tx, mesh, int(config.train.seed))
+    if config.get("init_from"):
+      state = init_from_export(state, config.init_from, mesh, cfg)
 
   # ---- steps, compiled ahead of time -------------------------------------------------------------------------------
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
@@ -496,9 +507,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        out_shardings=(state_sh, None), donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(graphdef),
                       in_shardings=(state_sh.params, state_sh.rest, sharding.batch_sharding(mesh)))
-  host_batch = next(data_iter) if start < steps else None
-  if host_batch is not None:  # a bad batch is a clear error here, not a shape error inside the compiled step
-    check_host_batch(host_batch, cfg, f"train batch {start + 1}")
   batch = to_global(host_batch, mesh) if host_batch is not None else None
   with jax.set_mesh(mesh):
     compiled = _compile(train_step, state, batch) if batch is not None else None
@@ -614,12 +622,8 @@ def load_params(config: ml_collections.ConfigDict, workdir: str, mesh, checkpoin
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {ckpt.directory} and no export directory given")
   check_compatible(ckpt.saved_config(step), config_lib.to_jsonable(config), workdir)
-  graphdef, (params, rest), (p_sh, r_sh) = param_shardings(cfg, mesh)
-
-  init = make_init_fn(cfg, tx)
-  abstract = jax.eval_shape(init, jax.random.key(0))
-  state_sh = state_shardings_for(abstract, p_sh, r_sh, mesh)
-  state = ckpt.restore(step, ckpt_lib.abstract_like(abstract, state_sh))
+  graphdef, abstract, _ = abstract_state(cfg, tx, mesh)
+  state = ckpt.restore(step, abstract)
   ckpt.close()
   return cfg, graphdef, state.params, state.rest, f"checkpoint step {step} of {ckpt.directory}"
 
