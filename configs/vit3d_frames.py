@@ -31,7 +31,7 @@ SIZES = {
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, max_frames=4, size="cpu", steps=0, batch_size=0, frames=16, seed=0, lr=1e-3)
+  a = parse_arg(arg, max_frames=4, size="cpu", steps=0, batch_size=0, frames=16, seed=0, lr=1e-3, attn="xla")
   if a.size not in SIZES:
     raise ValueError(f"size={a.size!r}; expected one of {sorted(SIZES)}")
   layers, width, v_layers, v_width, side, seq_len, batch, steps, eval_clips = SIZES[a.size]
@@ -59,10 +59,9 @@ def get_config(arg=None):
   v.spatial_merge_size = 2
   v.image_size = side
   v.max_frames = a.max_frames
+  v.attention_impl = m.attention_impl = a.attn  # xla: segment attention cost shows in the step time as computed
   if a.size == "gpu":
-    v.attention_impl = "cudnn"
-    m.attention_impl = "cudnn"
-    m.dtype = v.dtype = "bfloat16"
+    m.dtype = v.dtype = "bfloat16"  # parameters stay f32
   c.vl.projector_hidden_size = 2 * width
 
   d = c.data.mm

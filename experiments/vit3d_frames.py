@@ -41,9 +41,11 @@ SOURCE = "synthetic_video"
 QUALITY = ("loss", "accuracy", "direction_accuracy", "object_accuracy", "direction_loss", "object_loss")
 
 
-def make_config(size: str, max_frames: int, seed: int, steps: int, data_dir: str, overrides: list[str]):
+def make_config(size: str, max_frames: int, seed: int, steps: int, data_dir: str, overrides: list[str],
+                config_arg: str = ""):
   from configs import vit3d_frames  # noqa: PLC0415
   arg = f"max_frames={max_frames},size={size},seed={seed}" + (f",steps={steps}" if steps else "")
+  arg += f",{config_arg}" if config_arg else ""
   c = vit3d_frames.get_config(arg)
   c.data.dir = data_dir
   for item in overrides:
@@ -296,6 +298,7 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=0, help="train steps (0: the size's default)")
   ap.add_argument("--data_dir", default=os.path.join(REPO, "data"))
   ap.add_argument("--sweep_dir", default=os.path.join(REPO, "workdirs", "vit3d_frames"))
+  ap.add_argument("--config_arg", default="", help="more configs/vit3d_frames.py arguments, e.g. attn=cudnn,lr=3e-4")
   ap.add_argument("--override", action="append", default=[], help="KEY=VALUE on the config, e.g. train.steps=50")
   ap.add_argument("--time_steps", type=int, default=10, help="timed calls per setting (0: skip timing)")
   ap.add_argument("--report_only", action="store_true", help="only read finished workdirs and write the report")
@@ -318,7 +321,7 @@ def main(argv=None):
   workdirs, config = [], None
   for mf in settings:
     for seed in seeds:
-      config = make_config(a.size, mf, seed, a.steps, a.data_dir, a.override)
+      config = make_config(a.size, mf, seed, a.steps, a.data_dir, a.override, a.config_arg)
       work = os.path.join(sweep_dir, f"mf{mf}" + (f"_s{seed}" if len(seeds) > 1 else ""))
       workdirs.append(os.path.relpath(work, sweep_dir))
       if not a.report_only:
@@ -341,7 +344,7 @@ def main(argv=None):
           "seq_len": int(config.train.seq_len), "frames": int(d.num_frames), "height": int(d.height),
           "width": int(d.width), "temporal_patches": table[settings[0]]["temporal_patches"], "seeds": seeds,
           "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "workdirs": workdirs,
-          "overrides": a.override}
+          "config_arg": a.config_arg, "overrides": a.override}
   js, md, png = write_report(sweep_dir, a.size, table, meta)
   print(open(md).read())
   print(f"[vit3d_frames] wrote {js}, {md}, {png}")

@@ -4,7 +4,9 @@ r"""Command line: train, evaluate or export a config.
       [--config.train.steps=100] [--checkpoint=EXPORT_DIR]
 
 Unknown `--config.*` keys are refused by ml_collections (the config is locked); the cheap consistency checks
-(heads vs KV heads, mesh divisibility, a workdir holding another model) run before anything is compiled.
+(heads vs KV heads, mesh divisibility, a workdir holding another model, a multimodal batch whose placeholders do
+not match its images) run before anything is compiled. A config with a `vision` section (configs/tiny_vlm.py)
+trains, evaluates and exports the vision-language model; the others the text model.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def main(argv):
     jax.distributed.initialize(**kw)
   config, workdir = _CONFIG.value, _WORKDIR.value
   if _MODE.value == "aot":
-    from m3_jax.train import aot  # noqa: PLC0415
+    from m3_jax.train import aot, config_lib  # noqa: PLC0415
+    if config_lib.is_multimodal(config):
+      raise app.UsageError("--mode=aot compiles text-model configs only; this config has a `vision` section")
     aot.fake_devices(int(config.get("aot_devices", 0) or 8))
     aot.compile_report(config, workdir)
     return

@@ -223,7 +223,8 @@ def vision_spec(config: ml_collections.ConfigDict, cfg: VLConfig):
 
 def _motion(config: ml_collections.ConfigDict):
   from m3_jax.data import vision  # noqa: PLC0415
-  return vision.MotionConfig(min_objects=int(config.data.mm.min_objects), max_objects=int(config.data.mm.max_objects))
+  m = config.data.mm
+  return vision.MotionConfig(min_objects=int(m.min_objects), max_objects=int(m.max_objects))
 
 
 def train_iterator(config: ml_collections.ConfigDict):
@@ -347,7 +348,7 @@ def visual_token_ids(cfg: VLConfig) -> np.ndarray:
   """Target ids that never carry loss: the placeholders and the start/end markers of visual spans (our
   tokenizer's <|image_start|> .. <|video_end|>, m3_jax/data/tokenizer.py)."""
   from m3_jax.data.tokenizer import SPECIAL_TOKENS  # noqa: PLC0415
-  markers = [i for i, t in enumerate(SPECIAL_TOKENS) if t.strip("<|>").split("_")[0] in ("image", "video")]
+  markers = [SPECIAL_TOKENS.index(f"<|{kind}_{edge}|>") for kind in ("image", "video") for edge in ("start", "end")]
   return np.asarray(sorted({cfg.image_token_index, cfg.video_token_index, *markers}), np.int64)
 
 
