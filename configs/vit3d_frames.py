@@ -73,7 +73,6 @@ def get_config(arg=None):
   d.sources = "synthetic_video=1"
   d.caption_first_prob = 0.0  # the caption follows the clip: every caption token can see the whole clip
   d.min_objects, d.max_objects = 1, 3
-  d.eval_sources = "synthetic_video"
   d.eval_num_clips = eval_clips
   d.prepare_sources = "fashion_mnist,opencv_digits,emoji" if a.size != "micro" else "fashion_mnist"
   d.sprite_sources = d.prepare_sources
@@ -93,4 +92,5 @@ def get_config(arg=None):
   c.checkpoint.every = 0  # only at the end
   c.eval.batch_size = min(c.train.batch_size, 32)
   c.eval.max_batches = 1000  # the whole held-out set (eval_num_clips clips)
+  c.eval.sources = "synthetic_video"
   return c

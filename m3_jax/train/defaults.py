@@ -59,6 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 16
   c.eval.max_batches = 8
+  c.eval.sources = ""  # comma-separated held-out sets to evaluate ("" = every prepared source)
 
   c.export = ml_collections.ConfigDict()
   c.export.path = ""  # default WORKDIR/export
@@ -103,8 +104,7 @@ def vl_config() -> ml_collections.ConfigDict:
   # ("NAME=N[,NAME=N]", merged over the preparation defaults).
   m.prepare_sources = ""
   m.max_items = ""
-  # Held-out sets: every prepared image source, synthetic_video and real_clips (those the shapes allow), or a
-  # comma-separated subset; synthetic clips are made from held-out sprites.
-  m.eval_sources = ""
+  # Held-out synthetic clips (made from held-out sprites); eval.sources picks among all held-out sets: the text
+  # sources, every prepared image source, synthetic_video and real_clips (those the shapes allow).
   m.eval_num_clips = 64
   return c

@@ -175,7 +175,13 @@ def prepare_data(config: ml_collections.ConfigDict):
   if config_lib.is_multimodal(config):
     from m3_jax.data import vision  # noqa: PLC0415
     m = d.mm
-    vision.prepare_vision(d.dir, sources=_names(m.prepare_sources) or None,
+    sources = _names(m.prepare_sources) or None
+    if sources:  # prepare_vision drops the sources it is not given: keep those another config prepared here
+      try:
+        sources += [s for s in vision.load_vision_manifest(d.dir).sources if s not in sources]
+      except (FileNotFoundError, ValueError):
+        pass
+    vision.prepare_vision(d.dir, sources=sources,
                           max_items={k: int(v) for k, v in _weights(m.max_items, "data.mm.max_items").items()},
                           verbose=jax.process_index() == 0)
   return manifest
@@ -250,38 +256,48 @@ def train_iterator(config: ml_collections.ConfigDict):
   return iter(ds)
 
 
-def vl_eval_sets(config: ml_collections.ConfigDict) -> dict[str, list[dict]]:
-  """Held-out multimodal sets: every prepared image source (captions of held-out images), synthetic_video (clips
-  of held-out sprites, with direction/object masks) and real_clips (windows of the real clips), as the batch
-  shapes allow; `data.mm.eval_sources` picks a subset."""
+def vl_eval_sources(config: ml_collections.ConfigDict) -> list[str]:
+  """The held-out multimodal sets the batch shapes allow: every prepared image source (captions of held-out
+  images), synthetic_video (clips of held-out sprites, with direction/object masks) and real_clips."""
   from m3_jax.data import vision, vision_pipeline  # noqa: PLC0415
-  d, m = config.data, config.data.mm
   spec = vision_spec(config, config_lib.model_config(config))
-  names = _names(m.eval_sources)
-  if not names:
-    names = vision_pipeline.list_mm_sources(d.dir, spec)
-    if spec.max_videos_per_row:
-      prepared = vision.load_vision_manifest(d.dir).sources
-      names += [s for s in vision_pipeline.EVAL_ONLY_SOURCES if s in prepared]
+  names = vision_pipeline.list_mm_sources(config.data.dir, spec)
+  if spec.max_videos_per_row:
+    prepared = vision.load_vision_manifest(config.data.dir).sources
+    names += [s for s in vision_pipeline.EVAL_ONLY_SOURCES if s in prepared]
+  return names
+
+
+def vl_eval_batches(config: ml_collections.ConfigDict, name: str) -> list[dict]:
+  from m3_jax.data import vision_pipeline  # noqa: PLC0415
+  m = config.data.mm
   kw = {"sprite_sources": _names(m.sprite_sources)} if _names(m.sprite_sources) else {}
-  return {name: vision_pipeline.make_mm_eval_batches(
-              d.dir, name, spec=spec, seq_len=int(config.train.seq_len), batch_size=int(config.eval.batch_size),
-              max_batches=int(config.eval.max_batches), num_clips=int(m.eval_num_clips), motion=_motion(config),
-              **kw)
-          for name in names}
+  return vision_pipeline.make_mm_eval_batches(
+      config.data.dir, name, spec=vision_spec(config, config_lib.model_config(config)),
+      seq_len=int(config.train.seq_len), batch_size=int(config.eval.batch_size),
+      max_batches=int(config.eval.max_batches), num_clips=int(m.eval_num_clips), motion=_motion(config), **kw)
 
 
 def eval_sets(config: ml_collections.ConfigDict, cfg: ModelConfig | None = None) -> dict[str, list[dict]]:
   """Every prepared source's fixed held-out split (per-source loss and perplexity); for a VL config also the
-  image-caption, video-caption and real-clip sets. With `cfg`, every batch is checked now, before any compile."""
+  image-caption, video-caption and real-clip sets; `eval.sources` picks a subset. With `cfg`, every batch is
+  checked now, before any compile."""
   from m3_jax.data import pipeline  # noqa: PLC0415
   d, t = config.data, config.train
-  sets = {name: pipeline.make_eval_batches(d.dir, name, seq_len=int(t.seq_len),
-                                           batch_size=int(config.eval.batch_size),
-                                           max_batches=int(config.eval.max_batches))
-          for name in pipeline.list_sources(d.dir)}
-  if config_lib.is_multimodal(config):
-    sets.update(vl_eval_sets(config))
+  text = pipeline.list_sources(d.dir)
+  vl = vl_eval_sources(config) if config_lib.is_multimodal(config) else []
+  names = _names(config.eval.get("sources", ""))
+  unknown = [n for n in names if n not in text + vl]
+  if unknown:
+    raise ValueError(f"eval.sources: {unknown} are not held-out sets of {d.dir}; available: {text + vl}")
+  sets = {}
+  for name in names or text + vl:
+    if name in text:
+      sets[name] = pipeline.make_eval_batches(d.dir, name, seq_len=int(t.seq_len),
+                                              batch_size=int(config.eval.batch_size),
+                                              max_batches=int(config.eval.max_batches))
+    else:
+      sets[name] = vl_eval_batches(config, name)
   if cfg is not None:
     for name, batches in sets.items():
       for i, b in enumerate(batches):
