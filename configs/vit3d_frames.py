@@ -86,7 +86,8 @@ def get_config(arg=None):
   c.train.seq_len = seq_len
   c.train.seed = a.seed
   c.train.log_every = max(1, min(50, c.train.steps // 10))
-  c.train.eval_every = c.train.steps  # the start and the end
+  # Ten held-out evaluations along the run: how soon the directions are learned (they tend to come suddenly).
+  c.train.eval_every = c.train.steps if a.size == "micro" else max(1, c.train.steps // 10)
   c.optim.learning_rate = a.lr
   c.optim.warmup_steps = max(1, c.train.steps // 20)
   c.checkpoint.every = 0  # only at the end

@@ -1,10 +1,13 @@
 r"""The max_frames sweep of configs/vit3d_frames.py: held-out caption quality vs vision cost per ViT segment length.
 
   # GPU box (H200), the four settings one after another (~2-3 min each), then the report:
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=experiments/results/vit3d_frames
+  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames
   # one setting per command (each resumes or reuses a finished run), then only the report:
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=... --settings=4
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=... --report_only
+  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames --settings=4
+  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames --report_only
+  # then keep report.md, results.json and vit3d_frames.png (the workdirs hold checkpoints) in experiments/results/
+  # data for a machine without network: prepare here, copy DATA_DIR without raw/ (~30 MB)
+  python experiments/vit3d_frames.py --size=gpu --data_dir=data --prepare_only
   # CPU smoke (tests/test_vlm_train.py runs this at size=micro):
   python experiments/vit3d_frames.py --size=micro --settings=1,2 --data_dir=/tmp/d --sweep_dir=/tmp/vit3d
 
@@ -68,6 +71,19 @@ def final_eval(workdir: str) -> dict:
     raise RuntimeError(f"{workdir}: metrics.jsonl has no eval/{SOURCE} row")
   last = max(rows, key=lambda r: r["step"])
   return {"step": last["step"], **{k.split("/", 2)[2]: v for k, v in last.items() if k.startswith(f"eval/{SOURCE}/")}}
+
+
+def direction_curve(workdir: str) -> list[tuple[int, float]]:
+  """(step, held-out direction accuracy) at every evaluation of the run."""
+  from m3_jax.train.metrics import read_metrics  # noqa: PLC0415
+  key = f"eval/{SOURCE}/direction_accuracy"
+  pts = {r["step"]: r[key] for r in read_metrics(workdir) if key in r}
+  return sorted(pts.items())
+
+
+def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
+  """First evaluated step whose direction accuracy reaches `level` (None: never)."""
+  return next((s for s, acc in curve if acc >= level), None)
 
 
 def train_wall_ms(workdir: str, config) -> float | None:
@@ -172,6 +188,10 @@ def aggregate(runs: list[dict]) -> dict:
   for key in ("step_ms", "tower_fwd_ms", "train_wall_ms"):
     vals = [r[key] for r in runs if r.get(key) is not None]
     out[key] = statistics.median(vals) if vals else None
+  out["direction_curves"] = [r["curve"] for r in runs]
+  reached = [steps_to(r["curve"], 0.5) for r in runs]
+  # median over seeds of the first step at 50% direction accuracy (twice the 4-way guess); None if a seed never did
+  out["steps_to_half_direction"] = None if None in reached else statistics.median(reached)
   out.update(runs[0]["cost"])
   return out
 
@@ -192,6 +212,9 @@ def verdict(table: dict[int, dict]) -> list[str]:
   if best_dir_loss > math.log(4) - 0.1:
     return lines + [f"- NO setting learned the directions (best direction loss {best_dir_loss:.3f} nats; a 4-way "
                     f"guess scores ln 4 = {math.log(4):.3f}): no verdict; train longer or larger"]
+  reached = {s: table[s].get("steps_to_half_direction") for s in settings}
+  lines.append("- steps to 50% held-out direction accuracy (sample efficiency): " + ", ".join(
+      f"max_frames={s}: {'never' if v is None else v}" for s, v in reached.items()))
   spread = max(table[s]["direction_accuracy"] for s in settings) - min(table[s]["direction_accuracy"]
                                                                       for s in settings)
   two_se = 2 * max(table[s].get("direction_accuracy_se") or 0.0 for s in settings)
@@ -236,15 +259,16 @@ def write_report(sweep_dir: str, size: str, table: dict[int, dict], meta: dict) 
       f"Trained {meta['steps']} steps, batch {meta['batch_size']} x {meta['seq_len']} tokens, seeds {meta['seeds']}; "
       f"device: {meta['device']}.", "",
       "| max_frames | segment patches | vision GFLOPs/clip | attention share | step ms | tower fwd ms | "
-      "train wall ms/step | caption loss | token acc | direction acc | object (order) acc |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "train wall ms/step | caption loss | token acc | direction acc | object (order) acc | steps to 50% dir. |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for s in sorted(table):
     r = table[s]
     lines.append(f"| {s} | {r['segment_patches']} | {r['vision_gflops_per_clip']:.4f} | "
                  f"{r['attention_share']:.3f} | {fmt(r['step_ms'], 2)} | {fmt(r['tower_fwd_ms'], 2)} | "
                  f"{fmt(r['train_wall_ms'], 1)} | {fmt(r['loss'])} | {fmt(r['accuracy'])} | "
-                 f"{pm(r, 'direction_accuracy')} | {pm(r, 'object_accuracy')} |")
+                 f"{pm(r, 'direction_accuracy')} | {pm(r, 'object_accuracy')} | "
+                 f"{r['steps_to_half_direction'] if r['steps_to_half_direction'] is not None else 'never'} |")
   lines += ["", "## Verdict (computed from the table)", "", *verdict(table), "",
             f"Workdirs: {', '.join(meta['workdirs'])}. Numbers: `results.json`; plot: `vit3d_frames.png`.", ""]
   md = os.path.join(sweep_dir, "report.md")
@@ -259,7 +283,7 @@ def plot(sweep_dir: str, table: dict[int, dict]) -> str:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   xs = sorted(table)
-  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
   ax = axes[0]
   for key, label in (("direction_accuracy", "direction words"), ("object_accuracy", "object names (order)"),
                      ("accuracy", "all caption tokens")):
@@ -285,11 +309,19 @@ def plot(sweep_dir: str, table: dict[int, dict]) -> str:
   h1, l1 = ax.get_legend_handles_labels()
   h2, l2 = ax2.get_legend_handles_labels()
   ax.legend(h1 + h2, l1 + l2, fontsize=8)
-  for a in axes:
+  for a in axes[:3]:
     a.set_xscale("log", base=2)
     a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     a.set_xticks(xs)
     a.set_xticklabels([str(x) for x in xs])
+  ax = axes[3]
+  for i, x in enumerate(xs):
+    for j, curve in enumerate(table[x].get("direction_curves", [])):
+      if curve:
+        ax.plot(*zip(*curve), marker=".", color=f"C{i}", label=f"max_frames={x}" if j == 0 else None)
+  ax.axhline(0.25, color="grey", ls=":", lw=1)
+  ax.set(title="held-out direction accuracy during training", xlabel="step")
+  ax.legend(fontsize=8)
   fig.tight_layout()
   out = os.path.join(sweep_dir, "vit3d_frames.png")
   fig.savefig(out, dpi=120)
@@ -309,6 +341,9 @@ def main(argv=None):
   ap.add_argument("--override", action="append", default=[], help="KEY=VALUE on the config, e.g. train.steps=50")
   ap.add_argument("--time_steps", type=int, default=10, help="timed calls per setting (0: skip timing)")
   ap.add_argument("--report_only", action="store_true", help="only read finished workdirs and write the report")
+  ap.add_argument("--prepare_only", action="store_true",
+                  help="only prepare DATA_DIR (text corpus + the sprite sources), e.g. here before copying it (without "
+                       "its raw/ downloads) to a machine without network")
   ap.add_argument("--compilation_cache", default="",
                   help="persistent XLA cache directory ('' = SWEEP_DIR/.jax_cache, 'none' = off): the settings share "
                        "the init and eval programs, and timing reuses each training step's")
@@ -318,6 +353,9 @@ def main(argv=None):
   from m3_jax.train import trainer  # noqa: PLC0415
   settings = [int(s) for s in a.settings.split(",") if s.strip()]
   seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+  if a.prepare_only:
+    trainer.prepare_data(make_config(a.size, settings[0], seeds[0], a.steps, a.data_dir, a.override, a.config_arg))
+    return None
   sweep_dir = os.path.abspath(a.sweep_dir)
   if a.compilation_cache != "none":
     jax.config.update("jax_compilation_cache_dir", a.compilation_cache or os.path.join(sweep_dir, ".jax_cache"))
@@ -337,7 +375,8 @@ def main(argv=None):
         print(f"[vit3d_frames] max_frames={mf} seed={seed}: trained in {time.time() - t0:.0f}s -> {work}",
               flush=True)
       runs.setdefault(mf, []).append({"seed": seed, "eval": final_eval(work), "cost": vision_cost(config),
-                                      "train_wall_ms": train_wall_ms(work, config)})
+                                      "train_wall_ms": train_wall_ms(work, config),
+                                      "curve": direction_curve(work)})
     if not a.report_only and a.time_steps > 0:
       timing[str(mf)] = measure(config, work, a.time_steps)
       os.makedirs(sweep_dir, exist_ok=True)

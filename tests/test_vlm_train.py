@@ -301,3 +301,33 @@ def test_vit3d_frames_sweep_smoke(vl_data, tmp_path):
   assert "| 1 | 4 |" in report and "| 2 | 8 |" in report and "Verdict" in report
   with open(os.path.join(sweep, "vit3d_frames.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vit3d_frames_verdict_from_the_numbers():
+  """The report's verdict: the cheapest setting within one standard error of the best on direction and object
+  accuracy; none when no setting learned the directions (direction loss near ln 4)."""
+  sys.path.insert(0, os.path.join(REPO, "experiments"))
+  import vit3d_frames  # noqa: PLC0415
+
+  def row(gflops, d, o, steps, d_loss=0.5):
+    return {"vision_gflops_per_clip": gflops, "direction_accuracy": d, "direction_accuracy_se": 0.01,
+            "object_accuracy": o, "object_accuracy_se": 0.01, "direction_loss": d_loss,
+            "steps_to_half_direction": steps}
+
+  # 8 is best on directions, 4 is within one s.e. (0.0141) on both and cheaper; 1 and 2 are clearly worse
+  table = {1: row(1.0, 0.50, 0.70, 900), 2: row(1.1, 0.60, 0.70, 600), 4: row(1.3, 0.79, 0.71, 300),
+           8: row(1.7, 0.80, 0.71, 300)}
+  lines = vit3d_frames.verdict(table)
+  assert "- cheapest setting within one standard error of the best on both: max_frames=4 (1.300 vision GFLOPs " \
+         "per clip)" in lines
+  assert "- so 4 frames per segment IS the best trade-off in this run" in lines
+  assert any("max_frames=1: 900" in line and "max_frames=8: 300" in line for line in lines)
+  # 4 falls two standard errors behind 8 on directions: 8 is the trade-off
+  table[4] = row(1.3, 0.77, 0.71, 300)
+  lines = vit3d_frames.verdict(table)
+  assert "- so 4 frames per segment is NOT the best trade-off in this run (max_frames=8 is)" in lines
+  # nothing learned: no verdict at all
+  flat = {k: row(v["vision_gflops_per_clip"], 0.3, 0.6, None, d_loss=1.37) for k, v in table.items()}
+  lines = vit3d_frames.verdict(flat)
+  assert any(line.startswith("- NO setting learned the directions") for line in lines)
+  assert not any("trade-off" in line for line in lines)
