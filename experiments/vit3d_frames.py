@@ -257,7 +257,7 @@ def write_report(sweep_dir: str, size: str, table: dict[int, dict], meta: dict) 
       "appearing one after another). Held-out clips use held-out sprites. Direction words are a 4-way choice "
       "(chance 0.25 given the slot); object names carry the order of appearance.", "",
       f"Trained {meta['steps']} steps, batch {meta['batch_size']} x {meta['seq_len']} tokens, seeds {meta['seeds']}; "
-      f"device: {meta['device']}.", "",
+      f"device: {meta['device']}." + (f" {meta['note']}" if meta.get("note") else ""), "",
       "| max_frames | segment patches | vision GFLOPs/clip | attention share | step ms | tower fwd ms | "
       "train wall ms/step | caption loss | token acc | direction acc | object (order) acc | steps to 50% dir. |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -344,6 +344,7 @@ def main(argv=None):
   ap.add_argument("--prepare_only", action="store_true",
                   help="only prepare DATA_DIR (text corpus + the sprite sources), e.g. here before copying it (without "
                        "its raw/ downloads) to a machine without network")
+  ap.add_argument("--note", default="", help="a sentence for the report on how the runs were made (e.g. concurrency)")
   ap.add_argument("--compilation_cache", default="",
                   help="persistent XLA cache directory ('' = SWEEP_DIR/.jax_cache, 'none' = off): the settings share "
                        "the init and eval programs, and timing reuses each training step's")
@@ -390,7 +391,11 @@ def main(argv=None):
           "seq_len": int(config.train.seq_len), "frames": int(d.num_frames), "height": int(d.height),
           "width": int(d.width), "temporal_patches": table[settings[0]]["temporal_patches"], "seeds": seeds,
           "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "workdirs": workdirs,
-          "config_arg": a.config_arg, "overrides": a.override}
+          "config_arg": a.config_arg, "overrides": a.override, "note": a.note}
+  old_results = os.path.join(sweep_dir, "results.json")
+  if a.report_only and os.path.exists(old_results):
+    # The report is often rewritten on another machine than the one that trained: keep the training device.
+    meta["device"] = json.load(open(old_results))["meta"].get("device", meta["device"])
   js, md, png = write_report(sweep_dir, a.size, table, meta)
   print(open(md).read())
   print(f"[vit3d_frames] wrote {js}, {md}, {png}")
