@@ -315,3 +315,58 @@ def test_select_blocks_key_splits_equal_one_program(splits):
     oracle, raw = np_select_blocks(x["q_idx"][b:b + 1], x["k_idx"][b:b + 1], 4, 5, 2, off)
     assert_selection(np.asarray(split[b:b + 1]), oracle, raw, Case("row", B=1, T=3, S=64, Hq=2, Hkv=2, D=8,
                                                                    block_size=4, topk=5, local_blocks=2, q_offset=off))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# fp8 index q/k (selection) and fp8 index-key caches (decode)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_quantize_index_error_bound():
+  x = np.random.default_rng(0).normal(size=(2, 50, 16)).astype(np.float32) * np.array([1e-3, 1.0])[:, None, None]
+  x8, scale = msa.quantize_index(jnp.asarray(x))
+  assert x8.dtype == jnp.float8_e4m3fn and scale.shape == (2, 50)
+  back = np.asarray(x8, np.float64) * np.asarray(scale, np.float64)[..., None]
+  # e4m3: 3 mantissa bits (round-to-nearest: half a step, 2^-4 of the value) and subnormal steps of 2^-9 * scale;
+  # the largest magnitude of each vector maps to 448 exactly.
+  bound = np.abs(x) * 2.0 ** -4 + np.asarray(scale)[..., None] * 2.0 ** -10 + 1e-12
+  assert (np.abs(back - x) <= bound).all()
+  np.testing.assert_allclose(np.abs(np.asarray(x8, np.float32)).max(-1), 448.0)
+
+
+@pytest.mark.parametrize("q_fp8", [False, True], ids=["bf16_q", "fp8_q"])
+def test_select_blocks_fp8_index_matches_oracle_on_dequantized_keys(q_fp8):
+  c = Case("fp8", B=2, T=24, S=40, Hq=2, Hkv=2, D=8, block_size=4, topk=4, d_idx=16, q_offset=16)
+  x = make_inputs(c, seed=51)
+  k8, ks = msa.quantize_index(jnp.asarray(x["k_idx"]))
+  q = msa.quantize_index(jnp.asarray(x["q_idx"]))[0] if q_fp8 else jnp.asarray(x["q_idx"], jnp.bfloat16)
+  # The oracle scores exactly what the kernel sees: the fp8 values times their key scales (the query scale dropped).
+  k_deq = np.asarray(k8, np.float64) * np.asarray(ks, np.float64)[..., None]
+  oracle, raw = np_select_blocks(np.asarray(q, np.float64), k_deq, 4, 4, 1, 16)
+  for impl in ("pallas", "xla"):
+    sel = msa.select_blocks(q, k8, k_idx_scale=ks, block_size=4, topk=4, q_offset=16, implementation=impl)
+    assert_selection(sel, oracle, raw, c)
+  with pytest.raises(ValueError, match="needs k_idx_scale"):
+    msa.select_blocks(q, k8, block_size=4, topk=4)
+  with pytest.raises(ValueError, match="k_idx_scale: shape"):
+    msa.select_blocks(q, k8, k_idx_scale=ks[:, :-1], block_size=4, topk=4)
+
+
+def test_sparse_decode_with_fp8_index_cache():
+  B, T, S_max, Hq, Hkv, D, bs, topk = 2, 2, 32, 4, 2, 16, 4, 3
+  c = Case("dec8", B=B, T=T, S=S_max, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, topk=topk, d_idx=16)
+  x = make_inputs(c, seed=61)
+  k8, ks = msa.quantize_index(jnp.asarray(x["k_idx"]))
+  lengths = jnp.asarray([19, S_max], jnp.int32)
+  got = {impl: msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], k8, lengths, k_idx_scale=ks, block_size=bs,
+                                 topk=topk, implementation=impl) for impl in ("pallas", "xla")}
+  np.testing.assert_array_equal(np.asarray(got["pallas"][1]), np.asarray(got["xla"][1]))
+  k_deq = np.asarray(k8, np.float64) * np.asarray(ks, np.float64)[..., None]
+  for b, n in enumerate((19, S_max)):
+    want_sel, raw = np_select_blocks(x["q_idx"][b:b + 1], k_deq[b:b + 1, :n], bs, topk, 1, n - T)
+    sel = np.asarray(got["pallas"][1][b:b + 1])
+    assert_selection(sel[..., :want_sel.shape[-1]], want_sel, raw,
+                     Case("row", B=1, T=T, S=n, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, topk=topk))
+    want = np_attention(x["q"][b:b + 1], x["k"][b:b + 1], x["v"][b:b + 1], np_support(sel, T, S_max, bs, n - T),
+                        D ** -0.5)
+    assert_close(got["pallas"][0][b:b + 1], want, f"row {b}")

@@ -56,6 +56,7 @@ class TextConfig:
   warmup_steps: int = 0
   detach_index_input: bool = True
   msa_impl: str = "xla"  # pallas_kernels.msa implementation: xla | reference | pallas
+  msa_index_fp8: bool = False  # select blocks from fp8 (e4m3) index q/k, one scale per vector (quantize_index)
   msa_metric_queries: int = 64  # queries sampled per step for the recall metrics
   # Ours, not HF's: implementation switches and training-only knobs.
   attention_impl: str = "xla"

@@ -127,6 +127,7 @@ class MSAAttention(Attention):
     self.block_size, self.topk, self.local_blocks = cfg.index_block_size, cfg.index_topk_blocks, cfg.index_local_blocks
     self.warmup_steps, self.detach = cfg.warmup_steps, cfg.detach_index_input
     self.msa_impl, self.metric_queries = cfg.msa_impl, cfg.msa_metric_queries
+    self.index_fp8 = cfg.msa_index_fp8
     self.indexer = Indexer(cfg, rngs=rngs, std=std, param_dtype=param_dtype, dtype=dtype)
 
   def __call__(self, x, positions, segment_ids=None, *, cache=None, capture: bool = False,
@@ -143,21 +144,28 @@ class MSAAttention(Attention):
       cache = cache.update(k, v, k_idx)
       k, v, k_idx, aux["cache"] = cache.k, cache.v, cache.k_idx, cache
       segment_ids = None
-    # msa_impl="pallas" runs sparse_attention on the Pallas kernels; select_blocks and kl_loss have no Pallas
-    # kernel yet and stay on xla.
-    index_impl = "xla" if self.msa_impl == "pallas" else self.msa_impl
-    ops = dict(block_size=self.block_size, q_offset=q_offset, implementation=index_impl)
+    ops = dict(block_size=self.block_size, q_offset=q_offset, implementation=self.msa_impl)
     seg = {} if segment_ids is None else {"segment_ids": segment_ids}
-    block_idx = msa_ops.select_blocks(q_idx, k_idx, topk=self.topk, local_blocks=self.local_blocks, **ops, **seg)
+    sel_q, sel_k, sel_kw = q_idx, k_idx, {}
+    if self.index_fp8:
+      # fp8 index scoring (selection only; the KL trains the full-precision index branch).
+      sel_q, _ = msa_ops.quantize_index(q_idx)
+      sel_k, sel_kw["k_idx_scale"] = msa_ops.quantize_index(k_idx)
+    block_idx = msa_ops.select_blocks(sel_q, sel_k, topk=self.topk, local_blocks=self.local_blocks, **ops, **seg,
+                                      **sel_kw)
+    training = step_state is not None
+    in_warmup = training and self.warmup_steps > 0
+    # On the Pallas kernels the KL reuses the attention forward's log-sum-exp (LSE fusion): a training step then
+    # does no dense work besides the index scoring inside select_blocks.
+    fuse_lse = self.msa_impl == "pallas" and training and not in_warmup and not capture
+    lse = None
 
     def sparse():
-      return msa_ops.sparse_attention(q, k, v, block_idx, **{**ops, "implementation": self.msa_impl}, **seg)
+      return msa_ops.sparse_attention(q, k, v, block_idx, **ops, **seg)
 
     def dense():
       return dot_product_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids)
 
-    training = step_state is not None
-    in_warmup = training and self.warmup_steps > 0
     if capture:  # analysis: the probabilities the sparse branch actually uses, and the selection itself
       out = sparse()
       aux["attention_probs"] = selected_probs(q, k, block_idx, block_size=self.block_size,
@@ -165,11 +173,14 @@ class MSAAttention(Attention):
       aux["block_idx"] = block_idx
     elif in_warmup:
       out = jax.lax.cond(step_state["step"] < self.warmup_steps, dense, sparse)
+    elif fuse_lse:
+      out, lse = msa_ops.sparse_attention_with_lse(q, k, v, block_idx, block_size=self.block_size,
+                                                   q_offset=q_offset, **seg)
     else:
       out = sparse()
     if training:
       def kl_of(idx):
-        return msa_ops.kl_loss(q, k, q_idx, k_idx, idx, **ops, **seg)
+        return msa_ops.kl_loss(q, k, q_idx, k_idx, idx, **ops, **seg, lse=lse)
       if in_warmup:
         kl = jax.lax.cond(step_state["step"] < self.warmup_steps, lambda: kl_of(None), lambda: kl_of(block_idx))
       else:

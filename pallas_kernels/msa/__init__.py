@@ -5,6 +5,8 @@ implementation for every backend, `pallas*` the Triton kernels (KV-outer sparse 
 interpret mode off the GPU). `sparse_decode` is one decoding step over caches of different lengths.
 """
 
-from pallas_kernels.msa.api import kl_loss, select_blocks, sparse_attention, sparse_decode
+from pallas_kernels.msa.api import (kl_loss, quantize_index, select_blocks, sparse_attention,
+                                    sparse_attention_with_lse, sparse_decode)
 
-__all__ = ["select_blocks", "sparse_attention", "kl_loss", "sparse_decode"]
+__all__ = ["select_blocks", "sparse_attention", "sparse_attention_with_lse", "kl_loss", "sparse_decode",
+           "quantize_index"]

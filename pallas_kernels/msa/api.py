@@ -190,6 +190,42 @@ def _check_index(q_idx, k_idx, B: int | None = None, T: int | None = None, Hkv: 
   return B, T, Hkv, d_idx, ki_shape[1]
 
 
+FP8 = jnp.float8_e4m3fn
+_FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+
+
+def quantize_index(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """fp8 (e4m3) copy of index queries or keys with one f32 scale per vector (the last axis): `x ~ x8 * scale`.
+
+  For keys `[B, S, d_idx]` pass the scale `[B, S]` on as `k_idx_scale`; for queries the scale can be dropped (a
+  positive per-query factor does not change that query's ranking of the blocks). Halves the bytes of a bf16 index
+  cache, which is what one decoding step reads most of.
+  """
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+  scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+  return (x.astype(jnp.float32) / scale[..., None]).astype(FP8), scale
+
+
+def _check_k_scale(k_idx_scale, k_idx, B: int, S: int):
+  """None, or f32 [B, S]; an fp8 k_idx needs one (its values alone are not the keys)."""
+  if k_idx_scale is None:
+    if k_idx.dtype == FP8:
+      raise ValueError(f"k_idx: dtype {k_idx.dtype} needs k_idx_scale (float [B={B}, S={S}], from quantize_index)")
+    return None
+  shape = _check_array("k_idx_scale", k_idx_scale, 2, f"[B={B}, S={S}]")
+  if shape != (B, S):
+    raise ValueError(f"k_idx_scale: shape {shape}, expected [B={B}, S={S}] (one scale per index key)")
+  return jnp.asarray(k_idx_scale, jnp.float32)
+
+
+def _dequantize(q_idx, k_idx, k_scale):
+  """What the xla / reference paths score: f32 index q/k with the key scales applied."""
+  if k_scale is None and q_idx.dtype != FP8:
+    return q_idx, k_idx
+  k = k_idx.astype(jnp.float32)
+  return q_idx.astype(jnp.float32), k if k_scale is None else k * k_scale[..., None]
+
+
 def _num_blocks(S: int, block_size: int) -> int:
   return -(-S // block_size)
 
@@ -201,7 +237,7 @@ def _num_blocks(S: int, block_size: int) -> int:
 
 def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int = 1,
                   q_offset: int | jax.Array | None = None, implementation: Implementation | None = None,
-                  segment_ids: jax.Array | None = None) -> jax.Array:
+                  segment_ids: jax.Array | None = None, k_idx_scale: jax.Array | None = None) -> jax.Array:
   """Per (query, group) top-k KV block selection of the MSA index branch.
 
   Args:
@@ -215,6 +251,8 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
     implementation: None (= "xla"), "xla", "reference" or "pallas" (fused scoring + running top-k; interpret mode
       off the GPU; not yet the GPU default).
     segment_ids: optional `int [B, S]` segment id of every key slot (packed documents); None = one segment.
+    k_idx_scale: optional `f32 [B, S]` per-key scale, required when k_idx is fp8 (`quantize_index`); q_idx may be
+      fp8 as well (no scale needed: it does not change a query's ranking).
 
   Returns:
     `int32 [B, Hkv, T, min(topk, num_blocks)]`: local blocks first (own block, then older), then the other blocks
@@ -230,9 +268,12 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
     raise ValueError(f"local_blocks={local_blocks}: expected local_blocks <= topk={topk}")
   q_offset = _resolve_q_offset(q_offset, T, S)
   segment_ids = _check_segment_ids(segment_ids, B, S)
-  fn = {"reference": _reference.select_blocks, "xla": _xla.select_blocks, "pallas": _pallas_select.select_blocks}[impl]
-  return fn(q_idx, k_idx, block_size=block_size, topk=topk, local_blocks=local_blocks, q_offset=q_offset,
-            segment_ids=segment_ids)
+  k_scale = _check_k_scale(k_idx_scale, k_idx, B, S)
+  kw = dict(block_size=block_size, topk=topk, local_blocks=local_blocks, q_offset=q_offset, segment_ids=segment_ids)
+  if impl == "pallas":
+    return _pallas_select.select_blocks(q_idx, k_idx, k_idx_scale=k_scale, **kw)
+  fn = _reference.select_blocks if impl == "reference" else _xla.select_blocks
+  return fn(*_dequantize(q_idx, k_idx, k_scale), **kw)
 
 
 def sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None,
@@ -271,9 +312,31 @@ def sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None
             segment_ids=segment_ids)
 
 
+def sparse_attention_with_lse(q, k, v, block_idx, *, block_size: int, scale: float | None = None,
+                              q_offset: int | jax.Array | None = None, segment_ids: jax.Array | None = None):
+  """`sparse_attention` on the Pallas kernels that also returns each row's log-sum-exp over its support.
+
+  Returns:
+    (out `[B, T, Hq, D]`, lse `f32 [B, T, Hq]`, `-inf` for a row that sees no key). Differentiable in q, k, v
+    through `out`; lse is a constant for differentiation. Pass lse to `kl_loss(..., lse=lse)` so that the KL
+    reuses the main branch's normaliser instead of running the attention forward a second time ("LSE fusion").
+  """
+  B, T, Hq, D, S, Hkv = _check_qkv(q, k, v)
+  block_size = _check_int("block_size", block_size, minimum=1)
+  _check_block_idx(block_idx, B, Hkv, T, _num_blocks(S, block_size))
+  scale = _check_scale("scale", scale)
+  q_offset = _resolve_q_offset(q_offset, T, S)
+  segment_ids = _check_segment_ids(segment_ids, B, S)
+  if jax.default_backend() == "gpu":
+    _pallas.check_gpu_shapes(Hq // Hkv, D, block_size)
+  return _pallas.sparse_attention_with_lse(q, k, v, jnp.asarray(block_idx, jnp.int32), block_size=block_size,
+                                           scale=scale, q_offset=q_offset, segment_ids=segment_ids)
+
+
 def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | None = None,
             index_scale: float | None = None, q_offset: int | jax.Array | None = None,
-            implementation: Implementation | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+            implementation: Implementation | None = None, segment_ids: jax.Array | None = None,
+            lse: jax.Array | None = None) -> jax.Array:
   """KL alignment loss that trains the index branch toward the main branch's attention.
 
   Args:
@@ -287,6 +350,9 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
     implementation: None (= "xla"), "xla", "reference" or "pallas" (sparse target only, KV-outer over the selected
       tokens; the dense warmup target runs on xla; interpret mode off the GPU; not yet the GPU default).
     segment_ids: optional `int [B, S]` segment id of every key slot; the support keeps the query's segment only.
+    lse: optional `f32 [B, T, Hq]` the main branch's log-sum-exp over the same support, from
+      `sparse_attention_with_lse` with the same block_idx (LSE fusion; used by "pallas", ignored by the others,
+      which normalise the teacher themselves). Must come from the same q, k, scale and selection.
 
   Returns:
     f32 scalar `mean_{b, t, group} KL(P || P_idx)` on the support I = visible tokens of the selected blocks, with
@@ -305,9 +371,14 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
   index_scale = _check_scale("index_scale", index_scale)
   q_offset = _resolve_q_offset(q_offset, T, S)
   segment_ids = _check_segment_ids(segment_ids, B, S)
+  if lse is not None:
+    lse_shape = _check_array("lse", lse, 3, f"[B={B}, T={T}, Hq={q.shape[2]}]")
+    if lse_shape != (B, T, q.shape[2]):
+      raise ValueError(f"lse: shape {lse_shape}, expected [B={B}, T={T}, Hq={q.shape[2]}] "
+                       "(from sparse_attention_with_lse)")
   if impl == "pallas" and block_idx is not None:
     return _pallas_kl.kl_loss(q, k, q_idx, k_idx, block_idx, block_size=block_size, scale=scale,
-                              index_scale=index_scale, q_offset=q_offset, segment_ids=segment_ids)
+                              index_scale=index_scale, q_offset=q_offset, segment_ids=segment_ids, lse=lse)
   # The dense warmup target (block_idx=None) has no Pallas kernel: it runs on xla.
   fn = _reference.kl_loss if impl == "reference" else _xla.kl_loss
   return fn(q, k, q_idx, k_idx, block_idx, block_size=block_size, scale=scale, index_scale=index_scale,
@@ -316,7 +387,8 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
 
 def sparse_decode(q, k_cache, v_cache, q_idx, k_idx_cache, lengths, *, block_size: int, topk: int,
                   local_blocks: int = 1, scale: float | None = None,
-                  implementation: Implementation | None = None) -> tuple[jax.Array, jax.Array]:
+                  implementation: Implementation | None = None,
+                  k_idx_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """One MSA decoding step for a batch of sequences with caches of different fill levels.
 
   Args:
@@ -328,7 +400,9 @@ def sparse_decode(q, k_cache, v_cache, q_idx, k_idx_cache, lengths, *, block_siz
       `lengths[b] - T + t`, and slots >= lengths[b] (unwritten) are never read into the result.
     block_size, topk, local_blocks, scale: as in select_blocks / sparse_attention.
     implementation: None (= "xla"), "xla", "reference" or "pallas" (fused selection + query-major attention kernel:
-      interpret mode off the GPU; not yet lowered on a GPU).
+      interpret mode off the GPU).
+    k_idx_scale: `f32 [B, S_max]` per-key scales of an fp8 index-key cache (`quantize_index`); required when
+      k_idx_cache is fp8, whose bytes are then half of a bf16 cache's.
 
   Returns:
     (out `[B, T, Hq, D]`, block_idx `int32 [B, Hkv, T, min(topk, ceil(S_max / block_size))]`): exactly what
@@ -357,14 +431,18 @@ def sparse_decode(q, k_cache, v_cache, q_idx, k_idx_cache, lengths, *, block_siz
     raise ValueError(f"lengths: values in [{values.min()}, {values.max()}], expected T={T} <= lengths <= "
                      f"S_max={S} (the new tokens are in the cache)")
   offsets = jnp.asarray(lengths, jnp.int32) - T
+  k_scale = _check_k_scale(k_idx_scale, k_idx_cache, B, S)
   if impl == "pallas":
     # Few queries over a long cache: split the blocks over programs (>= 16 blocks each) to use the whole GPU.
     splits = max(1, min(128, _num_blocks(S, block_size) // 16))
     block_idx = _pallas_select.select_blocks(q_idx, k_idx_cache, block_size=block_size, topk=topk,
-                                             local_blocks=local_blocks, q_offset=offsets, key_splits=splits)
+                                             local_blocks=local_blocks, q_offset=offsets, key_splits=splits,
+                                             k_idx_scale=k_scale)
     out = _pallas.sparse_attention_query_major(q, k_cache, v_cache, block_idx, block_size=block_size, scale=scale,
                                                q_offset=offsets)
     return out, block_idx
+
+  q_idx, k_idx_cache = _dequantize(q_idx, k_idx_cache, k_scale)
 
   def row(qb, kb, vb, qib, kib, off):
     sel = select_blocks(qib[None], kib[None], block_size=block_size, topk=topk, local_blocks=local_blocks,

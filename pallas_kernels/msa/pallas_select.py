@@ -33,7 +33,19 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _scan(offset_ref, q_ref, k_ref, seg_ref, b, h, tile, lo, hi, *, Hkv, T, TQ, bs, n_local, n_rest, NRP):
+def _index_dot(q, k, fp8_dot: bool):
+  """[TQ, bs] f32 scores q . k^T. fp8 operands (an fp8 index cache) use the fp8 tensor-core dot when both are fp8
+  and `fp8_dot`; otherwise they are widened to bf16 in registers (exact: every e4m3 value is a bf16 value)."""
+  is8 = lambda x: x.dtype == jnp.float8_e4m3fn  # noqa: E731
+  if is8(q) or is8(k):
+    if not (fp8_dot and is8(q) and is8(k)):
+      q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    return jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+  return dot(q, k.T)
+
+
+def _scan(offset_ref, q_ref, k_ref, seg_ref, ks_ref, b, h, tile, lo, hi, *, Hkv, T, TQ, bs, n_local, n_rest, NRP,
+          fp8_dot):
   """Running top-n_rest over blocks [lo, hi) for the tile's queries: (vals f32 [TQ, NRP], ids int32 [TQ, NRP],
   q_block [TQ]). Slots past n_rest hold +inf: never the minimum, never replaced, never emitted."""
   d_idx = q_ref.shape[-1]
@@ -48,7 +60,9 @@ def _scan(offset_ref, q_ref, k_ref, seg_ref, b, h, tile, lo, hi, *, Hkv, T, TQ, 
     vals, ids = carry
     k0 = pl.multiple_of(j * bs, bs)
     k = k_ref[b, pl.ds(k0, bs), :]  # [bs, d_idx]
-    s = dot(q, k.T)  # [TQ, bs]
+    s = _index_dot(q, k, fp8_dot)  # [TQ, bs]
+    if ks_ref is not None:  # per-key dequantisation scale of an fp8 index cache
+      s = s * ks_ref[b, pl.ds(k0, bs)][None, :]
     k_pos = k0 + _iota(bs)
     vis = k_pos[None, :] <= q_pos[:, None]
     if seg_ref is not None:
@@ -73,14 +87,16 @@ def _last_block(offset_ref, b, tile, *, T, TQ, bs):
   return (offset_ref[b] + jnp.minimum(tile * TQ + TQ - 1, T - 1)) // bs + 1
 
 
-def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_rest, NRP, SP, slots, has_seg):
+def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_rest, NRP, SP, slots, has_seg,
+                   has_kscale, fp8_dot):
   seg_ref = refs[0] if has_seg else None
+  ks_ref = refs[int(has_seg)] if has_kscale else None
   out_ref = refs[-1]
   bh, tile = pl.program_id(0), pl.program_id(1)
   b, h = bh // Hkv, bh % Hkv
   hi = _last_block(offset_ref, b, tile, T=T, TQ=TQ, bs=bs)
-  vals, ids, q_block = _scan(offset_ref, q_ref, k_ref, seg_ref, b, h, tile, 0, hi, Hkv=Hkv, T=T, TQ=TQ, bs=bs,
-                             n_local=n_local, n_rest=n_rest, NRP=NRP)
+  vals, ids, q_block = _scan(offset_ref, q_ref, k_ref, seg_ref, ks_ref, b, h, tile, 0, hi, Hkv=Hkv, T=T, TQ=TQ,
+                             bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP, fp8_dot=fp8_dot)
   col = jax.lax.broadcasted_iota(jnp.int32, (TQ, NRP), 1)
   big = jnp.int32(2 ** 30)
   out_col = jax.lax.broadcasted_iota(jnp.int32, (TQ, SP), 1)
@@ -99,17 +115,19 @@ def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_r
   plgpu.store(out_ref.at[(bh, *rows_cols(rows, SP))], out, mask=(out_col < slots))
 
 
-def _candidates_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_rest, NRP, per_split, has_seg):
+def _candidates_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, T, TQ, bs, n_local, n_rest, NRP, per_split, has_seg,
+                       has_kscale, fp8_dot):
   """Split-K (decoding: few queries, long history): program `split` ranks only blocks
   [split * per_split, (split + 1) * per_split) and writes its candidates; XLA merges the splits."""
   seg_ref = refs[0] if has_seg else None
+  ks_ref = refs[int(has_seg)] if has_kscale else None
   vals_ref, ids_ref = refs[-2:]
   bh, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   b, h = bh // Hkv, bh % Hkv
   lo = split * per_split
   hi = jnp.minimum(lo + per_split, _last_block(offset_ref, b, tile, T=T, TQ=TQ, bs=bs))
-  vals, ids, _ = _scan(offset_ref, q_ref, k_ref, seg_ref, b, h, tile, lo, jnp.maximum(hi, lo), Hkv=Hkv, T=T,
-                       TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP)
+  vals, ids, _ = _scan(offset_ref, q_ref, k_ref, seg_ref, ks_ref, b, h, tile, lo, jnp.maximum(hi, lo), Hkv=Hkv,
+                       T=T, TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP, fp8_dot=fp8_dot)
   rows = tile * TQ + _iota(TQ)
   cols = split * NRP + jax.lax.broadcasted_iota(jnp.int32, (1, NRP), 1)
   vals_ref[bh, rows[:, None], cols] = vals
@@ -130,14 +148,20 @@ def _merge_candidates(vals, ids, q_block, n_local, n_rest):
 
 
 def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int = 1, q_offset=None,
-                  segment_ids=None, interpret: bool | None = None, query_tile: int = 64, key_splits: int = 1,
-                  num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                  segment_ids=None, k_idx_scale=None, interpret: bool | None = None, query_tile: int = 64,
+                  key_splits: int = 1, num_warps: int = 4, num_stages: int = 2, fp8_dot: bool = True) -> jax.Array:
   """int32 [B, Hkv, T, min(topk, num_blocks)]; see api.select_blocks for the contract.
 
   key_splits > 1 ranks disjoint ranges of blocks in separate programs and merges their candidates in XLA: for
   decoding, where B * Hkv programs alone would leave most of the GPU idle while one program streams the whole
-  index-key cache. q_offset may be a [B] array (one offset per row).
+  index-key cache. q_offset may be a [B] array (one offset per row). `k_idx_scale` f32 [B, S]: per-key scale of an
+  fp8 (float8_e4m3fn) k_idx, applied to the scores before max-pooling; q_idx may be fp8 too (a per-row scale of
+  q_idx does not change a row's ranking, so it needs none). `fp8_dot=False` widens fp8 operands to bf16 before the
+  dot (bytes saved, no fp8 tensor-core use).
   """
+  # Block ids have no derivative; without this, differentiating a caller would make pallas_call trace a JVP of the
+  # kernel, which it cannot.
+  q_idx, k_idx, k_idx_scale = jax.lax.stop_gradient((q_idx, k_idx, k_idx_scale))
   B, T, Hkv, d_idx = q_idx.shape
   S = k_idx.shape[1]
   if interpret is None:
@@ -153,13 +177,17 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
   seg = None
   if segment_ids is not None:
     seg = jnp.pad(jnp.asarray(segment_ids, jnp.int32), ((0, 0), (0, S_pad - S)), constant_values=-1)
+  kscale = None
+  if k_idx_scale is not None:
+    kscale = jnp.pad(jnp.asarray(k_idx_scale, jnp.float32), ((0, 0), (0, S_pad - S)))
   offset = row_offsets(q_offset, B, S, T)
   # Dots need >= 16 rows on the GPU; interpret mode takes any tile.
   TQ = min(query_tile, _next_pow2(T)) if interpret else max(16, min(query_tile, _next_pow2(T)))
   T_pad = -(-T // TQ) * TQ
-  extra = () if seg is None else (seg,)
+  extra = tuple(x for x in (seg, kscale) if x is not None)
   args = (offset, q_idx.reshape(B, T * Hkv, d_idx), k_pad, *extra)
-  common = dict(Hkv=Hkv, T=T, TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP, has_seg=seg is not None)
+  common = dict(Hkv=Hkv, T=T, TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP, has_seg=seg is not None,
+                has_kscale=kscale is not None, fp8_dot=fp8_dot)
   params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   if key_splits <= 1 or n_rest == 0:
     SP = _next_pow2(max(slots, 1))
