@@ -22,6 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import msa
+from pallas_kernels.msa import pallas_select
+
+# Fused-selection tilings tried by --select_variants (the fastest bf16 one then runs the prefill rows).
+SELECT_VARIANTS = [dict(query_tile=64, num_warps=4, num_stages=2), dict(query_tile=128, num_warps=4, num_stages=2),
+                   dict(query_tile=128, num_warps=8, num_stages=2), dict(query_tile=128, num_warps=8, num_stages=3),
+                   dict(query_tile=64, num_warps=4, num_stages=3)]
 
 
 def timeit(fn, *args, warmup=2, repeat=5):
@@ -46,7 +52,13 @@ def inputs(key, t, hq, hkv, d, di, dtype):
 
 
 def check(impl, bs, topk):
-  """Small random problem: impl vs reference, relative error (f32 inputs)."""
+  """Small random problem: impl vs reference, relative error (f32 inputs; the reference's matmuls at full f32
+  precision, not the GPU's default tf32, which reorders near-tied blocks)."""
+  with jax.default_matmul_precision("highest"):
+    return _check(impl, bs, topk)
+
+
+def _check(impl, bs, topk):
   q, k, v, qi, ki = inputs(jax.random.key(1), 512, 8, 2, 64, 32, jnp.float32)
   idx_ref = msa.select_blocks(qi, ki, block_size=bs, topk=topk, implementation="reference")
   idx = msa.select_blocks(qi, ki, block_size=bs, topk=topk, implementation=impl)
@@ -58,33 +70,103 @@ def check(impl, bs, topk):
 
 
 def chunked(fn_select, fn_attend, q, k, v, qi, ki, chunk):
-  """Prefill of T queries in chunks of `chunk` (chunked prefill: each chunk attends to every key before it)."""
+  """Prefill of T queries in chunks of `chunk` (chunked prefill: each chunk attends to every key before it). Every
+  chunk gets all T keys and its first position as a traced q_offset, so one compiled program serves all chunks;
+  the kernels never visit blocks past a chunk's last query."""
   T = q.shape[1]
   outs = []
   for s in range(0, T, chunk):
     e = min(T, s + chunk)
-    # Chunk [s, e) sees keys [0, e): the ops take the queries as the last rows of the keys they are given.
-    idx = fn_select(qi[:, s:e], ki[:, :e])
-    outs.append(fn_attend(q[:, s:e], k[:, :e], v[:, :e], idx))
+    off = jnp.int32(s)
+    idx = fn_select(qi[:, s:e], ki, off)
+    outs.append(fn_attend(q[:, s:e], k, v, idx, off))
   return outs
+
+
+def select_fn(impl, bs, topk, knobs=None, fp8=False):
+  """jitted (q_idx, k_idx) -> block ids; fp8 quantises the index q/k first (inside the timed function: in a model
+  the index keys would be cached in fp8 already, so this over-counts the quantisation of k_idx)."""
+  knobs = knobs or {}
+
+  def f(qi, ki, q_offset=None):
+    kw = {"q_offset": q_offset}
+    if fp8:
+      qi = msa.quantize_index(qi)[0]
+      ki, kw["k_idx_scale"] = msa.quantize_index(ki)
+    if impl == "pallas":
+      return pallas_select.select_blocks(qi, ki, block_size=bs, topk=topk, **kw, **knobs)
+    return msa.select_blocks(qi, ki, block_size=bs, topk=topk, implementation=impl, **kw)
+  return jax.jit(f)
+
+
+def agreement(a, b) -> dict:
+  """How often two selections agree: whole rows as sets, and the mean share of a row's blocks both picked."""
+  a, b = np.sort(np.asarray(a), -1), np.sort(np.asarray(b), -1)
+  same = float(np.mean(np.all(a == b, -1)))
+  overlap = float(np.mean([len(np.intersect1d(x[x >= 0], y[y >= 0])) / max(1, len(np.unique(x[x >= 0])))
+                           for x, y in zip(a.reshape(-1, a.shape[-1])[::97], b.reshape(-1, b.shape[-1])[::97])]))
+  return {"rows_same_set": same, "mean_overlap_sampled": overlap}
+
+
+def select_variants(t, hkv, di, bs, topk):
+  """Fused selection at T tokens: each tiling (bf16 and fp8 index), the xla implementation, lax.top_k alone, and
+  the agreement of the fp8 selection with the bf16 one. Returns (rows, fastest bf16 knobs)."""
+  ks = jax.random.split(jax.random.key(7), 2)
+  qi = jax.random.normal(ks[0], (1, t, hkv, di), jnp.bfloat16)
+  ki = jax.random.normal(ks[1], (1, t, di), jnp.bfloat16)
+  flops = 2 * hkv * di * t * t / 2  # causal index scoring
+  rows, best = [], None
+  xla_idx = None
+  if t <= 131072:
+    f = select_fn("xla", bs, topk)
+    rows.append({"T": t, "impl": "xla", "ms": 1e3 * timeit(f, qi, ki, warmup=1, repeat=3)})
+    xla_idx = f(qi, ki)
+  for fp8 in (False, True):
+    for knobs in SELECT_VARIANTS if not fp8 else [dict(v, fp8_dot=d) for v in SELECT_VARIANTS[1:3]
+                                                   for d in (True, False)]:
+      row = {"T": t, "impl": "pallas", "fp8": fp8, **knobs}
+      try:
+        f = select_fn("pallas", bs, topk, knobs, fp8)
+        ms = 1e3 * timeit(f, qi, ki, warmup=1, repeat=5)
+        row.update({"ms": ms, "tflops": flops / ms / 1e9})
+        idx = f(qi, ki)
+        if xla_idx is not None:
+          row["vs_xla_bf16"] = agreement(idx, xla_idx)
+          row["exact_vs_xla"] = bool(jnp.all(idx == xla_idx)) if not fp8 else None
+        if not fp8 and (best is None or ms < best[0]):
+          best = (ms, knobs, idx)
+        elif fp8 and best is not None:
+          row["vs_pallas_bf16"] = agreement(idx, best[2])
+      except Exception as e:  # noqa: BLE001 - a tiling that does not lower is reported, not fatal
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  return rows, (best[1] if best else {})
 
 
 def topk_anchor(hkv, t, bs, topk):
   """`lax.top_k` alone over materialised block scores [Hkv, T, T / bs] (the issue's anchor: 49.7 ms at 128K)."""
   scores = jax.random.normal(jax.random.key(3), (hkv, t, t // bs), jnp.float32)
-  return timeit(jax.jit(lambda s: jax.lax.top_k(s, topk)), scores)
+  return timeit(jax.jit(lambda s: jax.lax.top_k(s, min(topk, t // bs))), scores)
 
 
-def train_step_times(impl, t, hq, hkv, d, di, bs, topk):
-  """One MSA attention training step (select + sparse attention fwd/bwd + KL fwd/bwd) vs cuDNN fwd+bwd."""
+def train_step_times(impl, t, hq, hkv, d, di, bs, topk, sel_knobs=None):
+  """One MSA attention training step (select + sparse attention fwd/bwd + KL fwd/bwd) vs cuDNN fwd+bwd. On the
+  Pallas kernels the KL reuses the attention forward's log-sum-exp (LSE fusion), as the model does."""
   q, k, v, qi, ki = inputs(jax.random.key(4), t, hq, hkv, d, di, jnp.bfloat16)
   do = jax.random.normal(jax.random.key(5), q.shape, jnp.bfloat16)
 
   def msa_step(q, k, v, qi, ki, do):
-    idx = msa.select_blocks(qi, ki, block_size=bs, topk=topk, implementation=impl)
+    if impl == "pallas":
+      idx = pallas_select.select_blocks(qi, ki, block_size=bs, topk=topk, **(sel_knobs or {}))
+    else:
+      idx = msa.select_blocks(qi, ki, block_size=bs, topk=topk, implementation=impl)
     def loss(q, k, v, qi, ki):
-      out = msa.sparse_attention(q, k, v, idx, block_size=bs, implementation=impl)
-      kl = msa.kl_loss(q, k, qi, ki, idx, block_size=bs, implementation=impl)
+      if impl == "pallas":
+        out, lse = msa.sparse_attention_with_lse(q, k, v, idx, block_size=bs)
+      else:
+        out, lse = msa.sparse_attention(q, k, v, idx, block_size=bs, implementation=impl), None
+      kl = msa.kl_loss(q, k, qi, ki, idx, block_size=bs, implementation=impl, lse=lse)
       return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)) + kl
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, qi, ki)
 
@@ -95,7 +177,7 @@ def train_step_times(impl, t, hq, hkv, d, di, bs, topk):
   return timeit(jax.jit(msa_step), q, k, v, qi, ki, do), timeit(jax.jit(dense_step), q, k, v, do)
 
 
-def decode_times(impl, batch, length, hq, hkv, d, di, bs, topk):
+def decode_times(impl, batch, length, hq, hkv, d, di, bs, topk, fp8=False):
   """One decoding step (1 new token per sequence) over `length` cached tokens: MSA (index scoring over the
   index-key cache, top-k, sparse attention) vs cuDNN dense attention over the whole KV cache."""
   ks = jax.random.split(jax.random.key(6), 5)
@@ -105,9 +187,16 @@ def decode_times(impl, batch, length, hq, hkv, d, di, bs, topk):
   qi = jax.random.normal(ks[3], (batch, 1, hkv, di), jnp.bfloat16)
   kic = jax.random.normal(ks[4], (batch, length, di), jnp.bfloat16)
   lengths = jnp.full((batch,), length, jnp.int32)
-  sparse = jax.jit(lambda *a: msa.sparse_decode(*a, block_size=bs, topk=topk, implementation=impl)[0])
+  if fp8:  # the index-key cache is stored in fp8 with one scale per key: what a decoding step reads is halved
+    kic, ksc = msa.quantize_index(kic)
+    sparse = jax.jit(lambda q, kc, vc, qi, kic, n, ksc: msa.sparse_decode(
+        q, kc, vc, qi, kic, n, block_size=bs, topk=topk, implementation=impl, k_idx_scale=ksc)[0])
+    t_sparse = timeit(sparse, q, kc, vc, qi, kic, lengths, ksc, repeat=20)
+  else:
+    sparse = jax.jit(lambda *a: msa.sparse_decode(*a, block_size=bs, topk=topk, implementation=impl)[0])
+    t_sparse = timeit(sparse, q, kc, vc, qi, kic, lengths, repeat=20)
   dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
-  return timeit(sparse, q, kc, vc, qi, kic, lengths, repeat=20), timeit(dense, q, kc, vc, repeat=20)
+  return t_sparse, timeit(dense, q, kc, vc, repeat=20)
 
 
 def plot(rows, path):
@@ -139,12 +228,29 @@ def main():
   ap.add_argument("--decode_len", type=int, action="append", default=[])
   ap.add_argument("--decode_batch", type=int, default=8)
   ap.add_argument("--plot", default="")
+  ap.add_argument("--select_variants", type=int, default=0, help="time the fused selection's tilings at this T")
+  ap.add_argument("--fp8", action="store_true", help="also prefill and decode with fp8 index q/k / index cache")
+  ap.add_argument("--skip_check", action="store_true")
   ap.add_argument("--out", default="bench_msa.json")
   args = ap.parse_args()
   hq, hkv, d, di, bs, topk = 64, 4, 128, 128, 128, 16
-  rows = []
-  for impl in args.impls.split(","):
-    print(impl, "check vs reference:", check(impl, 32, 4), flush=True)
+  rows, result = [], {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+  def save():
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=2)
+
+  if not args.skip_check:
+    for impl in args.impls.split(","):
+      print(impl, "check vs reference:", check(impl, 32, 4), flush=True)
+  knobs = {}
+  if args.select_variants:
+    result["select_variants"], knobs = select_variants(args.select_variants, hkv, di, bs, topk)
+    result["select_knobs"] = knobs
+    result["lax_top_k_ms"] = 1e3 * topk_anchor(hkv, args.select_variants, bs, topk)
+    print("lax.top_k alone:", result["lax_top_k_ms"], "ms; fastest tiling", knobs, flush=True)
+    save()
+  impls = args.impls.split(",") + (["pallas_fp8"] if args.fp8 and "pallas" in args.impls else [])
   for t in args.seq or [32768]:
     q, k, v, qi, ki = inputs(jax.random.key(0), t, hq, hkv, d, di, jnp.bfloat16)
     row = {"T": t}
@@ -152,9 +258,11 @@ def main():
       dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
       t_dense = timeit(dense, q, k, v, warmup=1 if t > 131072 else 2, repeat=3 if t > 131072 else 5)
       row.update({"cudnn_dense_fwd_ms": 1e3 * t_dense, "cudnn_tflops": 2 * hq * d * t * t / t_dense / 1e12})
-    for impl in args.impls.split(","):
-      sel = jax.jit(lambda qi, ki: msa.select_blocks(qi, ki, block_size=bs, topk=topk, implementation=impl))
-      att = jax.jit(lambda q, k, v, idx: msa.sparse_attention(q, k, v, idx, block_size=bs, implementation=impl))
+    for impl in impls:
+      base = impl.removesuffix("_fp8")
+      sel = select_fn(base, bs, topk, knobs if base == "pallas" else None, fp8=impl.endswith("_fp8"))
+      att = jax.jit(lambda q, k, v, idx, off=None: msa.sparse_attention(q, k, v, idx, block_size=bs, q_offset=off,
+                                                                        implementation=base))
       useful = 4 * hq * d * t * topk * bs
       if args.query_chunk and t > args.query_chunk:
         t_pre = timeit(lambda *a: chunked(sel, att, *a, args.query_chunk), q, k, v, qi, ki, warmup=1, repeat=3)
@@ -171,26 +279,32 @@ def main():
     if args.topk_anchor and t == 131072:
       row["lax_top_k_anchor_ms"] = 1e3 * topk_anchor(hkv, t, bs, topk)
     rows.append(row)
+    result["rows"] = rows
+    save()
     print(json.dumps(row), flush=True)
     del q, k, v, qi, ki
-  extra = {"train": [], "decode": []}
+  extra = result.setdefault("train", []), result.setdefault("decode", [])
+  extra = {"train": extra[0], "decode": extra[1]}
   for impl in args.impls.split(","):
+    for n in args.decode_len:
+      for fp8 in (False, True) if args.fp8 and impl == "pallas" else (False,):
+        t_msa, t_dense = decode_times(impl, args.decode_batch, n, hq, hkv, d, di, bs, topk, fp8=fp8)
+        extra["decode"].append({"impl": impl + ("_fp8_index_cache" if fp8 else ""), "batch": args.decode_batch,
+                                "cached": n, "msa_ms": 1e3 * t_msa, "cudnn_ms": 1e3 * t_dense,
+                                "speedup": t_dense / t_msa})
+        print(json.dumps(extra["decode"][-1]), flush=True)
+        save()
     for t in args.train_seq:
-      t_msa, t_dense = train_step_times(impl, t, hq, hkv, d, di, bs, topk)
+      t_msa, t_dense = train_step_times(impl, t, hq, hkv, d, di, bs, topk, knobs if impl == "pallas" else None)
       extra["train"].append({"impl": impl, "T": t, "msa_step_ms": 1e3 * t_msa, "cudnn_fwd_bwd_ms": 1e3 * t_dense,
                              "speedup": t_dense / t_msa})
       print(json.dumps(extra["train"][-1]), flush=True)
-    for n in args.decode_len:
-      t_msa, t_dense = decode_times(impl, args.decode_batch, n, hq, hkv, d, di, bs, topk)
-      extra["decode"].append({"impl": impl, "batch": args.decode_batch, "cached": n, "msa_ms": 1e3 * t_msa,
-                              "cudnn_ms": 1e3 * t_dense, "speedup": t_dense / t_msa})
-      print(json.dumps(extra["decode"][-1]), flush=True)
+      save()
   if args.plot:
     plot(rows, args.plot)
   for r in rows + extra["train"] + extra["decode"]:
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-  with open(args.out, "w") as f:
-    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows, **extra}, f, indent=2)
+  save()
 
 
 if __name__ == "__main__":

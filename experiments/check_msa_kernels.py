@@ -71,6 +71,8 @@ DECODE_FAMILIES = [
     dict(name="f32_T16_m3", B=2, T=16, S=16384, Hq=64, Hkv=4, D=128, di=128, bs=128, topk=16, dtype="float32"),
     dict(name="bf16_T1_m3_64k", B=2, T=1, S=65536, Hq=64, Hkv=4, D=128, di=128, bs=128, topk=16,
          dtype="bfloat16"),
+    dict(name="bf16_T2_m3_64k_fp8cache", B=2, T=2, S=65536, Hq=64, Hkv=4, D=128, di=128, bs=128, topk=16,
+         dtype="bfloat16", fp8=True),
 ]
 
 
@@ -119,6 +121,8 @@ def check_decode(f) -> dict:
   # Different fill levels per row, one of them ending inside a block.
   lengths = jnp.asarray([S - 37 * (i + 1) * (i % 2) - i * f["bs"] for i in range(B)], jnp.int32)
   kw = dict(block_size=f["bs"], topk=f["topk"])
+  if f.get("fp8"):  # fp8 index-key cache: the reference scores the same dequantised keys
+    kic, kw["k_idx_scale"] = msa.quantize_index(kic)
   o_ref, i_ref = msa.sparse_decode(q, kc, vc, qi, kic, lengths, implementation="reference", **kw)
   o, i = jax.block_until_ready(msa.sparse_decode(q, kc, vc, qi, kic, lengths, implementation="pallas", **kw))
   return {"out_rel_err": _rel(o, o_ref), **{f"idx_{k}": v for k, v in compare_idx(i, i_ref).items()}}
@@ -128,6 +132,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="check_msa_kernels.json")
   ap.add_argument("--only", default="", help="comma-separated: select,kl,decode")
+  ap.add_argument("--names", default="", help="comma-separated family names (default: all)")
   a = ap.parse_args()
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "families": []}
   groups = [("select", SELECT_FAMILIES, check_select), ("kl", KL_FAMILIES, check_kl),
@@ -136,6 +141,8 @@ def main():
     if a.only and op not in a.only.split(","):
       continue
     for f in fams:
+      if a.names and f["name"] not in a.names.split(","):
+        continue
       t0 = time.perf_counter()
       try:
         r = {"op": op, **f, **fn(f), "ok": True}

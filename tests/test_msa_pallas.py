@@ -370,3 +370,20 @@ def test_sparse_decode_with_fp8_index_cache():
     want = np_attention(x["q"][b:b + 1], x["k"][b:b + 1], x["v"][b:b + 1], np_support(sel, T, S_max, bs, n - T),
                         D ** -0.5)
     assert_close(got["pallas"][0][b:b + 1], want, f"row {b}")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_select_blocks_folded_groups_equal_per_group_programs(splits):
+  # Decoding folds all groups' queries into one program's rows (one read of each index-key block); the selection
+  # must be the per-group programs' one, with per-row offsets, padded rows and split-K.
+  from pallas_kernels.msa import pallas_select  # noqa: PLC0415
+  c = Case("fold", B=2, T=5, S=48, Hq=3, Hkv=3, D=8, block_size=4, topk=4, local_blocks=1)
+  x = make_inputs(c, seed=71)
+  args = dict(block_size=4, topk=4, q_offset=jnp.asarray([20, 43], jnp.int32), key_splits=splits, query_tile=8)
+  folded = pallas_select.select_blocks(x["q_idx"], x["k_idx"], fold_groups=True, **args)
+  per_group = pallas_select.select_blocks(x["q_idx"], x["k_idx"], fold_groups=False, **args)
+  np.testing.assert_array_equal(np.asarray(folded), np.asarray(per_group))
+  for b, off in enumerate((20, 43)):
+    oracle, raw = np_select_blocks(x["q_idx"][b:b + 1], x["k_idx"][b:b + 1], 4, 4, 1, off)
+    assert_selection(np.asarray(folded[b:b + 1]), oracle, raw,
+                     Case("row", B=1, T=5, S=48, Hq=3, Hkv=3, D=8, block_size=4, topk=4, q_offset=off))

@@ -33,7 +33,7 @@ _IMPLEMENTATIONS = ("xla", "reference", "pallas")
 # Ops with a Pallas implementation (on other backends than GPU "pallas" runs in interpret mode), and those for which
 # None resolves to it on a GPU: only kernels that were lowered and measured there.
 _PALLAS_OPS = ("sparse_attention", "select_blocks", "kl_loss", "sparse_decode")
-_PALLAS_DEFAULT_OPS = ("sparse_attention",)
+_PALLAS_DEFAULT_OPS = ("sparse_attention", "select_blocks")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,8 +248,8 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
     local_blocks: the query's own block and the `local_blocks - 1` before it are always kept (0 <= it <= topk),
       even when (with segment_ids) an older one holds no key of the query's segment.
     q_offset: position of query 0 (default `S - T`): int, or int32 scalar array (may be traced).
-    implementation: None (= "xla"), "xla", "reference" or "pallas" (fused scoring + running top-k; interpret mode
-      off the GPU; not yet the GPU default).
+    implementation: None (= "pallas" on a GPU, else "xla"), "xla", "reference" or "pallas" (fused scoring +
+      exp-free running top-k, never materialising scores; interpret mode off the GPU).
     segment_ids: optional `int [B, S]` segment id of every key slot (packed documents); None = one segment.
     k_idx_scale: optional `f32 [B, S]` per-key scale, required when k_idx is fp8 (`quantize_index`); q_idx may be
       fp8 as well (no scale needed: it does not change a query's ranking).
@@ -260,7 +260,9 @@ def select_blocks(q_idx, k_idx, *, block_size: int, topk: int, local_blocks: int
     padding. Blocks are anchored to absolute slots, not to segment starts.
   """
   impl = _resolve_implementation(implementation, "select_blocks")
-  B, T, _, _, S = _check_index(q_idx, k_idx)
+  B, T, _, d_idx, S = _check_index(q_idx, k_idx)
+  if implementation is None and impl == "pallas" and not _pallas_select.fits_gpu_kernel(d_idx, block_size):
+    impl = "xla"  # the default never fails on a shape the Triton kernel cannot tile
   block_size = _check_int("block_size", block_size, minimum=1)
   topk = _check_int("topk", topk, minimum=1)
   local_blocks = _check_int("local_blocks", local_blocks, minimum=0)
@@ -437,7 +439,7 @@ def sparse_decode(q, k_cache, v_cache, q_idx, k_idx_cache, lengths, *, block_siz
     splits = max(1, min(128, _num_blocks(S, block_size) // 16))
     block_idx = _pallas_select.select_blocks(q_idx, k_idx_cache, block_size=block_size, topk=topk,
                                              local_blocks=local_blocks, q_offset=offsets, key_splits=splits,
-                                             k_idx_scale=k_scale)
+                                             k_idx_scale=k_scale, query_tile=64, num_warps=4)
     out = _pallas.sparse_attention_query_major(q, k_cache, v_cache, block_idx, block_size=block_size, scale=scale,
                                                q_offset=offsets)
     return out, block_idx
