@@ -199,22 +199,42 @@ def decode_times(impl, batch, length, hq, hkv, d, di, bs, topk, fp8=False):
   return t_sparse, timeit(dense, q, kc, vc, repeat=20)
 
 
-def plot(rows, path):
+# cuDNN dense causal prefill measured on this H200 box (DESIGN.md §5): the anchors past what we re-time here.
+DENSE_ANCHORS_MS = {32768: 30.2, 131072: 513.0, 524288: 9180.0, 1048576: 37800.0}
+
+
+def plot(rows, path, decode=()):
+  """Log-log time vs context length: one layer's prefill (dense vs MSA) and, if given, one decoding step."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for key, label in (("cudnn_dense_fwd_ms", "cuDNN dense causal"),) + tuple(
-      (k, k.replace("_prefill_ms", " MSA prefill")) for k in rows[0] if k.endswith("_prefill_ms")):
+  fig, axes = plt.subplots(1, 2 if decode else 1, figsize=(11 if decode else 6, 4), squeeze=False)
+  ax = axes[0, 0]
+  pts = [(r["T"], r["cudnn_dense_fwd_ms"]) for r in rows if "cudnn_dense_fwd_ms" in r]
+  if pts:
+    ax.loglog(*zip(*pts), "o-", color="C0", label="cuDNN dense causal (measured)")
+  ax.loglog(list(DENSE_ANCHORS_MS), list(DENSE_ANCHORS_MS.values()), "s--", color="C0", alpha=0.5, mfc="none",
+            label="cuDNN dense causal (DESIGN.md anchors)")
+  keys = sorted({k for r in rows for k in r if k.endswith("_prefill_ms")})
+  for i, key in enumerate(keys):
     pts = [(r["T"], r[key]) for r in rows if key in r]
-    if pts:
-      ax.loglog(*zip(*pts), "o-", label=label)
-  ax.set_xlabel("context length T (tokens)")
-  ax.set_ylabel("one layer, forward (ms)")
+    ax.loglog(*zip(*pts), "o-", color=f"C{i + 1}", label=key.replace("_prefill_ms", " MSA prefill"))
+  ax.set(xlabel="context length T (tokens)", ylabel="ms", title="one layer, prefill (forward)")
   ax.grid(True, which="both", alpha=0.3)
-  ax.legend()
+  ax.legend(fontsize=8)
+  if decode:
+    ax = axes[0, 1]
+    for i, impl in enumerate(sorted({d["impl"] for d in decode})):
+      pts = sorted((d["cached"], d["msa_ms"]) for d in decode if d["impl"] == impl)
+      ax.loglog(*zip(*pts), "o-", color=f"C{i + 1}", label=f"{impl} MSA decode")
+    pts = sorted({d["cached"]: d["cudnn_ms"] for d in decode if d["impl"] == "pallas"}.items())
+    ax.loglog(*zip(*pts), "o-", color="C0", label="cuDNN dense decode")
+    ax.set(xlabel="cached tokens", ylabel="ms", title=f"one decoding step, batch {decode[0]['batch']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def main():
@@ -231,8 +251,14 @@ def main():
   ap.add_argument("--select_variants", type=int, default=0, help="time the fused selection's tilings at this T")
   ap.add_argument("--fp8", action="store_true", help="also prefill and decode with fp8 index q/k / index cache")
   ap.add_argument("--skip_check", action="store_true")
+  ap.add_argument("--decode_only", action="store_true", help="skip the prefill rows (decode and train only)")
   ap.add_argument("--out", default="bench_msa.json")
+  ap.add_argument("--replot", default="", help="only redraw --plot from this JSON of an earlier run")
   args = ap.parse_args()
+  if args.replot:
+    old = json.load(open(args.replot))
+    plot(old["rows"], args.plot, old.get("decode", []))
+    return
   hq, hkv, d, di, bs, topk = 64, 4, 128, 128, 128, 16
   rows, result = [], {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
@@ -251,7 +277,7 @@ def main():
     print("lax.top_k alone:", result["lax_top_k_ms"], "ms; fastest tiling", knobs, flush=True)
     save()
   impls = args.impls.split(",") + (["pallas_fp8"] if args.fp8 and "pallas" in args.impls else [])
-  for t in args.seq or [32768]:
+  for t in [] if args.decode_only else args.seq or [32768]:
     q, k, v, qi, ki = inputs(jax.random.key(0), t, hq, hkv, d, di, jnp.bfloat16)
     row = {"T": t}
     if t <= args.dense_max_t:
@@ -301,7 +327,7 @@ def main():
       print(json.dumps(extra["train"][-1]), flush=True)
       save()
   if args.plot:
-    plot(rows, args.plot)
+    plot(rows, args.plot, extra["decode"])
   for r in rows + extra["train"] + extra["decode"]:
     print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
   save()
