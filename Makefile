@@ -1,11 +1,15 @@
 # Two commands on a fresh machine:
-#   make run    create .venv (first use), prepare the default data, train + evaluate the default config
+#   make run    create .venv (first use), prepare the default data with vision (first use; cached), run the tiny
+#               CPU native-vs-CPT comparison (configs/native_vs_cpt.py) and print where its report is
 #   make test   create .venv (if missing), run the whole test suite
+# and one to train a single config: make train [CONFIG=configs/tiny_lm.py WORKDIR=workdirs/tiny_lm]
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny_lm.py
 WORKDIR ?= workdirs/tiny_lm
+DATA ?= data
+SWEEP ?= workdirs/native_vs_cpt
 PYTEST_ARGS ?=
 
 # jax >= 0.11 needs Python >= 3.12: take the first one found on PATH or under pyenv.
@@ -27,6 +31,11 @@ $(VENV)/.installed: requirements.lock setup.py
 venv: $(VENV)/.installed
 
 run: venv
+	$(PY) -m m3_jax.data $(DATA) --vision
+	$(PY) experiments/native_vs_cpt.py --size=cpu --data_dir=$(DATA) --sweep_dir=$(SWEEP)
+	@echo "report: $(SWEEP)/report.md (plots: $(SWEEP)/*.png, numbers: $(SWEEP)/results.json, runs: $(SWEEP)/*_s0/)"
+
+train: venv
 	$(PY) -m m3_jax.main --config=$(CONFIG) --workdir=$(WORKDIR)
 	$(PY) experiments/plot_run.py $(WORKDIR)
 	@echo "results: $(WORKDIR)/metrics.jsonl, $(WORKDIR)/plots.png, $(WORKDIR)/checkpoints/, TensorBoard events in $(WORKDIR)/tb/"
@@ -37,4 +46,4 @@ test: venv
 clean:
 	rm -rf $(VENV) workdirs
 
-.PHONY: venv run test clean
+.PHONY: venv run train test clean

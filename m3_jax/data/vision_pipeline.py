@@ -32,6 +32,18 @@ vision arm just takes fewer of them per step (same text order, fewer text tokens
 `vision_weight=0` the batches are those of `make_train_dataset` (plus empty visual keys) row for row. The step
 counter is part of the iterator state, so a schedule resumes correctly.
 
+Extra rows (`vision_rows` > 0), for comparisons under the same text-token budget: every batch is the whole text
+batch of `make_train_dataset` (global_batch_size rows, in order) with `vision_rows` multimodal rows appended, so a
+vision arm sees exactly the text tokens of a text-only run, per step and in total. Before `vision_start_step` the
+appended rows are padding rows (no tokens, no loss, no valid items): shapes stay static, so one compiled step serves
+the whole run, and the multimodal stream is not read until vision starts. With several processes each process
+appends its `vision_rows // process_count` rows to its `global_batch_size // process_count` text rows.
+
+Every training batch also carries `text_row` bool [B] (True for the rows of the text stream), and the iterator keeps
+a running count of the text stream's target tokens (`text_tokens`, loss-mask sum of the text rows) and a running
+hash of it (`text_hash`: sha256 chained over each batch's text rows' int32 `inputs` bytes, starting from the empty
+string) in its state: equal counts and hashes after the same number of steps prove two runs read the same text.
+
 Everything is deterministic for a seed and resumable: `it.get_state()` is plain JSON (both streams' grain states
 and the step counter) and `it.set_state(state)` continues exactly; orbax's `grain.checkpoint.CheckpointSave(it)`
 works as for the text pipeline.
@@ -44,6 +56,7 @@ and `real_clips` (windows of the real clips, evaluation only).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -476,6 +489,14 @@ class _FinalizeRow:
     return out
 
 
+def _padding_row(layout: _Layout) -> dict[str, np.ndarray]:
+  """An empty multimodal row: no tokens (segment 0), no loss, no valid items; its keys are a training row's."""
+  zeros = {k: np.zeros((layout.seq_len,), np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+  out = _text_row_as_mm({**zeros, "loss_mask": np.zeros((layout.seq_len,), np.float32)}, layout)
+  out["text_row"] = np.bool_(False)
+  return out
+
+
 def _pack_mm(ds: grain.IterDataset, layout: _Layout, num_bins: int, seed: int, shuffle_bins: bool) -> grain.IterDataset:
   packed = grain.experimental.FirstFitPackIterDataset(
       ds, length_struct=layout.length_struct(), num_packing_bins=num_bins, seed=seed, shuffle_bins=shuffle_bins)
@@ -484,6 +505,7 @@ def _pack_mm(ds: grain.IterDataset, layout: _Layout, num_bins: int, seed: int, s
 
 def _text_row_as_mm(row: Mapping[str, np.ndarray], layout: _Layout) -> dict[str, np.ndarray]:
   out = dict(row)
+  out["text_row"] = np.bool_(True)
   s = layout.spec
   if s.max_images_per_row:
     out["images"] = np.zeros((s.max_images_per_row, s.height, s.width, 3), np.uint8)
@@ -533,13 +555,44 @@ def _mm_positions(n: int, batch: int) -> list[int]:
   return sorted({(j * batch) // n for j in range(n)}) if n else []
 
 
+class _TextStream:
+  """Running count of the text rows' target tokens and a sha256 chain over their inputs (plain JSON state)."""
+
+  def __init__(self):
+    self.tokens, self.hash = 0, hashlib.sha256(b"").hexdigest()
+
+  def add(self, rows: Sequence[Mapping[str, np.ndarray]]) -> None:
+    if self.hash is None:  # resumed from a state written before the text stream was tracked: unknown from then on
+      return
+    h = hashlib.sha256(bytes.fromhex(self.hash))
+    for r in rows:
+      h.update(np.ascontiguousarray(r["inputs"], dtype="<i4").tobytes())
+      self.tokens += int(np.asarray(r["loss_mask"]).sum())
+    self.hash = h.hexdigest()
+
+  def state(self) -> dict[str, Any]:
+    return {"text_tokens": self.tokens, "text_hash": self.hash}
+
+  def restore(self, state: Mapping[str, Any]) -> None:
+    if "text_hash" not in state:
+      self.tokens, self.hash = None, None
+    else:
+      self.tokens, self.hash = int(state["text_tokens"]), str(state["text_hash"])
+
+
+def _mm_row(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {**row, "text_row": np.bool_(False)}
+
+
 class _RowMixIterator(grain.DatasetIterator):
 
   def __init__(self, text_it, mm_it, batch: int, weight, layout: _Layout):
     super().__init__([text_it, mm_it])
     self._text, self._mm = text_it, mm_it
     self._batch, self._weight, self._layout = batch, weight, layout
+    self._to_model = _ToModelBatch(layout.spec)
     self._step, self._acc = 0, 0.0
+    self._stream = _TextStream()
 
   def _weight_at(self, step: int) -> float:
     w = float(self._weight(step)) if callable(self._weight) else float(self._weight)
@@ -550,18 +603,26 @@ class _RowMixIterator(grain.DatasetIterator):
   def __next__(self) -> dict[str, np.ndarray]:
     n, acc = _rows_this_step(self._acc, self._weight_at(self._step), self._batch)
     where = set(_mm_positions(n, self._batch))
-    rows = [next(self._mm) if r in where else _text_row_as_mm(next(self._text), self._layout)
+    rows = [_mm_row(next(self._mm)) if r in where else _text_row_as_mm(next(self._text), self._layout)
             for r in range(self._batch)]
+    self._stream.add([r for r in rows if r["text_row"]])
     self._step, self._acc = self._step + 1, acc
-    return _stack(rows)
+    return self._to_model(_stack(rows))
+
+  @property
+  def text_stream(self) -> dict[str, Any]:
+    """{"text_tokens": target tokens of the text rows so far, "text_hash": sha256 chain over their inputs}."""
+    return self._stream.state()
 
   def get_state(self) -> dict[str, Any]:
-    return {"step": self._step, "acc": self._acc, "text": self._text.get_state(), "mm": self._mm.get_state()}
+    return {"step": self._step, "acc": self._acc, "text": self._text.get_state(), "mm": self._mm.get_state(),
+            **self._stream.state()}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     self._text.set_state(state["text"])
     self._mm.set_state(state["mm"])
     self._step, self._acc = int(state["step"]), float(state["acc"])
+    self._stream.restore(state)
 
 
 class _RowMixIterDataset(grain.IterDataset):
@@ -579,6 +640,60 @@ class _RowMixIterDataset(grain.IterDataset):
 
   def __str__(self) -> str:
     return f"_RowMixIterDataset(batch={self._batch}, vision_weight={self._weight!r})"
+
+
+class _ExtraRowsIterator(grain.DatasetIterator):
+  """Each batch: `text_batch` text rows (in stream order), then `vision_rows` multimodal rows from step
+  `start` on (padding rows before it; the multimodal stream is not read until then)."""
+
+  def __init__(self, text_it, mm_it, text_batch: int, vision_rows: int, start: int, layout: _Layout):
+    super().__init__([text_it, mm_it])
+    self._text, self._mm = text_it, mm_it
+    self._text_batch, self._vision_rows, self._start, self._layout = text_batch, vision_rows, start, layout
+    self._to_model = _ToModelBatch(layout.spec)
+    self._step = 0
+    self._stream = _TextStream()
+    self._padding = _padding_row(layout)
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    text = [_text_row_as_mm(next(self._text), self._layout) for _ in range(self._text_batch)]
+    if self._step >= self._start:
+      extra = [_mm_row(next(self._mm)) for _ in range(self._vision_rows)]
+    else:
+      extra = [self._padding] * self._vision_rows
+    self._stream.add(text)
+    self._step += 1
+    return self._to_model(_stack(text + extra))
+
+  @property
+  def text_stream(self) -> dict[str, Any]:
+    """{"text_tokens": target tokens of the text rows so far, "text_hash": sha256 chain over their inputs}."""
+    return self._stream.state()
+
+  def get_state(self) -> dict[str, Any]:
+    return {"step": self._step, "text": self._text.get_state(), "mm": self._mm.get_state(), **self._stream.state()}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    self._text.set_state(state["text"])
+    self._mm.set_state(state["mm"])
+    self._step = int(state["step"])
+    self._stream.restore(state)
+
+
+class _ExtraRowsIterDataset(grain.IterDataset):
+  """Batches of `text_batch` text rows + `vision_rows` multimodal rows (padding before step `start`)."""
+
+  def __init__(self, text_rows: grain.IterDataset, mm_rows: grain.IterDataset, text_batch: int, vision_rows: int,
+               start: int, layout: _Layout):
+    super().__init__([text_rows, mm_rows])
+    self._text_rows, self._mm_rows = text_rows, mm_rows
+    self._args = (text_batch, vision_rows, start, layout)
+
+  def __iter__(self) -> _ExtraRowsIterator:
+    return _ExtraRowsIterator(self._text_rows.__iter__(), self._mm_rows.__iter__(), *self._args)
+
+  def __str__(self) -> str:
+    return f"_ExtraRowsIterDataset(text rows={self._args[0]}, vision rows={self._args[1]}, from step {self._args[2]})"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -642,8 +757,8 @@ def _mm_examples(data_dir: str, layout: _Layout, *, seed: int, weights: Mapping[
 
 
 def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, global_batch_size: int, seed: int,
-                          vision_weight: float | Callable[[int], float] = 0.5,
-                          mm_sources: Mapping[str, float] | None = None, text_sources: Sequence[str] | None = None,
+                          vision_weight: float | Callable[[int], float] | None = None, vision_rows: int = 0,
+                          vision_start_step: int = 0, mm_sources: Mapping[str, float] | None = None, text_sources: Sequence[str] | None = None,
                           text_source_weights: Mapping[str, float] | None = None, text_in_mm_rows: float = 0.0,
                           caption_first_prob: float = 0.25, motion: vision.MotionConfig = vision.MotionConfig(),
                           sprite_sources: Sequence[str] = DEFAULT_SPRITE_SOURCES, process_index: int = 0,
@@ -658,7 +773,12 @@ def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, glob
       text_source_weights: as in `pipeline.make_train_dataset`; the text rows are that pipeline's rows for the
       same arguments (text_sources/text_source_weights are its sources/source_weights).
     vision_weight: fraction of each batch's rows that are multimodal, in [0, 1]; a float, or a function of the
-      step (the number of batches this iterator has produced, restored from its state) for schedules.
+      step (the number of batches this iterator has produced, restored from its state) for schedules. Default
+      (None): 0.5, or 0 with vision_rows > 0 (the two modes are exclusive).
+    vision_rows: > 0 appends this many multimodal rows (over all processes; a multiple of process_count) to the
+      global_batch_size text rows of every batch: vision is extra, the text rows are all of make_train_dataset's.
+    vision_start_step: with vision_rows > 0, the first step (batches produced so far) whose appended rows are
+      multimodal; before it they are padding rows.
     mm_sources: {source: weight}, element shares of the multimodal examples; sources from `list_mm_sources`
       (image sources and "synthetic_video"). Default: DEFAULT_MM_WEIGHTS over what is prepared and fits `spec`.
     text_in_mm_rows: element share of plain text pieces packed into the multimodal rows (from a separately seeded
@@ -669,8 +789,9 @@ def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, glob
       but resume with the same value.
 
   Returns:
-    A `grain.IterDataset`; `it = iter(ds)` yields batch dicts ([B, L] text keys, visual keys per VisionSpec) with
-    B = global_batch_size // process_count; `it.get_state()` / `it.set_state(state)` resume exactly.
+    A `grain.IterDataset`; `it = iter(ds)` yields batch dicts ([B, L] text keys, visual keys per VisionSpec,
+    `text_row` bool [B]) with B = (global_batch_size + vision_rows) // process_count; `it.get_state()` /
+    `it.set_state(state)` resume exactly; `it.text_stream` is {"text_tokens", "text_hash"} so far.
   """
   pipeline._check_seq_len(seq_len)
   if not (isinstance(global_batch_size, (int, np.integer)) and global_batch_size >= 1):
@@ -679,6 +800,20 @@ def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, glob
     raise ValueError(f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index!r}: expected 0 <= process_index < process_count={process_count}")
+  if not (isinstance(vision_rows, (int, np.integer)) and vision_rows >= 0) or vision_rows % process_count:
+    raise ValueError(f"vision_rows={vision_rows!r}: expected an int >= 0 divisible by process_count={process_count} "
+                     "(each process appends the same number of multimodal rows)")
+  if not (isinstance(vision_start_step, (int, np.integer)) and vision_start_step >= 0):
+    raise ValueError(f"vision_start_step={vision_start_step!r}: expected an int >= 0")
+  if vision_weight is None:
+    vision_weight = 0.0 if vision_rows else 0.5
+  if vision_rows and (callable(vision_weight) or float(vision_weight) != 0.0):
+    raise ValueError(f"vision_rows={vision_rows} appends multimodal rows to the text rows, vision_weight="
+                     f"{vision_weight!r} replaces text rows by multimodal ones: the modes are exclusive, pass "
+                     "vision_weight=0 (or None) with vision_rows > 0")
+  if vision_start_step and not vision_rows:
+    raise ValueError(f"vision_start_step={vision_start_step} needs vision_rows > 0 (with vision_weight, pass a "
+                     "function of the step instead)")
   if not callable(vision_weight) and not 0.0 <= float(vision_weight) <= 1.0:
     raise ValueError(f"vision_weight={vision_weight!r}: expected a fraction of rows in [0, 1] or a function of "
                      "the step returning one")
@@ -714,7 +849,12 @@ def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, glob
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
     mm_rows = mm_rows.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(num_workers)))
-  return _RowMixIterDataset(text_rows, mm_rows, local, vision_weight, layout).map(_ToModelBatch(spec))
+  if vision_rows:
+    mixed = _ExtraRowsIterDataset(text_rows, mm_rows, local, vision_rows // process_count, int(vision_start_step),
+                                  layout)
+  else:
+    mixed = _RowMixIterDataset(text_rows, mm_rows, local, vision_weight, layout)
+  return mixed
 
 
 # ---------------------------------------------------------------------------------------------------------------

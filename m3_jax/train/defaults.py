@@ -39,6 +39,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.decay_fraction = 0.2  # wsd only
   c.optim.decay_shape = "linear"
   c.optim.min_lr_ratio = 0.1
+  # From step lr_scale_from on, the scheduled learning rate is multiplied by lr_scale (a continued-pretraining phase
+  # that re-tunes its LR; configs/native_vs_cpt.py). 1.0: the schedule unchanged.
+  c.optim.lr_scale = 1.0
+  c.optim.lr_scale_from = 0
   c.optim.weight_decay = 0.1
   c.optim.b1 = 0.9
   c.optim.b2 = 0.95
@@ -92,6 +96,9 @@ def vl_config() -> ml_collections.ConfigDict:
   # text-only run); 0 before step `vision_start_step` (vision added late, e.g. at the LR decay).
   m.vision_weight = 0.5
   m.vision_start_step = 0
+  # > 0: vision is extra instead: every batch is train.batch_size text rows (all of a text-only run's rows, in the
+  # same order) plus vision_rows multimodal rows, padding rows before vision_start_step (vision_weight must be 0).
+  m.vision_rows = 0
   # Train sources and element shares, "NAME=W[,NAME=W]" from the image sources and synthetic_video; "" = the
   # pipeline's defaults over everything prepared.
   m.sources = ""

@@ -21,6 +21,9 @@ class OptimConfig:
   decay_fraction: float = 0.2
   decay_shape: str = "linear"
   min_lr_ratio: float = 0.1
+  # From step lr_scale_from on, the schedule's LR times lr_scale (a CPT phase re-tuning its LR); 1.0: unchanged.
+  lr_scale: float = 1.0
+  lr_scale_from: int = 0
   weight_decay: float = 0.1
   b1: float = 0.9
   b2: float = 0.95
@@ -36,6 +39,10 @@ class OptimConfig:
       raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps}]")
     if not 0.0 <= self.decay_fraction <= 1.0:
       raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
+    if not self.lr_scale > 0.0:
+      raise ValueError(f"optim.lr_scale={self.lr_scale} must be > 0")
+    if not (isinstance(self.lr_scale_from, int) and self.lr_scale_from >= 0):
+      raise ValueError(f"optim.lr_scale_from={self.lr_scale_from!r} must be an int >= 0")
 
 
 def wsd_decay_start(cfg: OptimConfig) -> int:
@@ -44,6 +51,18 @@ def wsd_decay_start(cfg: OptimConfig) -> int:
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+  base = _base_schedule(cfg)
+  if cfg.lr_scale == 1.0:
+    return base  # the very same function: runs without a rescale share one compiled step
+  scale, start = float(cfg.lr_scale), int(cfg.lr_scale_from)
+
+  def rescaled(step):
+    return base(step) * jnp.where(jnp.asarray(step) >= start, scale, 1.0)
+
+  return rescaled
+
+
+def _base_schedule(cfg: OptimConfig) -> optax.Schedule:
   lr, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
   warm = max(cfg.warmup_steps, 1)
   if cfg.schedule == "cosine":

@@ -233,9 +233,23 @@ def _motion(config: ml_collections.ConfigDict):
   return vision.MotionConfig(min_objects=int(m.min_objects), max_objects=int(m.max_objects))
 
 
+def vision_rows(config: ml_collections.ConfigDict) -> int:
+  """Multimodal rows appended to every batch's train.batch_size text rows (data.mm.vision_rows; 0: none, or a
+  text config)."""
+  return int(config.data.mm.get("vision_rows", 0)) if config_lib.is_multimodal(config) else 0
+
+
+def train_rows(config: ml_collections.ConfigDict) -> int:
+  """Rows of a global training batch: train.batch_size text (or mixed) rows + the appended multimodal rows."""
+  return int(config.train.batch_size) + vision_rows(config)
+
+
 def train_iterator(config: ml_collections.ConfigDict):
   """Infinite training batches (a grain iterator: its state goes into every checkpoint). Text configs: packed
-  text rows. VL configs: each batch mixes text rows with multimodal rows (image- and video-caption examples)."""
+  text rows. VL configs: each batch mixes text rows with multimodal rows (image- and video-caption examples):
+  a share `data.mm.vision_weight` of the rows, or, with `data.mm.vision_rows` > 0, that many rows appended to
+  the text rows (vision is extra: the text rows are exactly a text-only run's), multimodal from
+  `data.mm.vision_start_step` on and padding before."""
   from m3_jax.data import pipeline  # noqa: PLC0415
   d, t = config.data, config.train
   common = dict(seq_len=int(t.seq_len), global_batch_size=int(t.batch_size), seed=int(t.seed),
@@ -244,13 +258,19 @@ def train_iterator(config: ml_collections.ConfigDict):
     return iter(pipeline.make_train_dataset(d.dir, **common))
   from m3_jax.data import vision_pipeline  # noqa: PLC0415
   m = d.mm
-  weight, start = float(m.vision_weight), int(m.vision_start_step)
+  weight, start, extra = float(m.vision_weight), int(m.vision_start_step), vision_rows(config)
   kw = {}
   if _names(m.sprite_sources):
     kw["sprite_sources"] = _names(m.sprite_sources)
+  if extra:
+    if weight != 0.0:
+      raise ValueError(f"data.mm.vision_rows={extra} appends multimodal rows to the text rows; data.mm.vision_weight="
+                       f"{weight} would also replace text rows by multimodal ones: set data.mm.vision_weight=0")
+    kw.update(vision_rows=extra, vision_start_step=start, vision_weight=0.0)
+  else:
+    kw["vision_weight"] = VisionFrom(start, weight) if start > 0 else weight
   ds = vision_pipeline.make_mm_train_dataset(
       d.dir, spec=vision_spec(config, config_lib.model_config(config)),
-      vision_weight=VisionFrom(start, weight) if start > 0 else weight,
       mm_sources=_weights(m.sources, "data.mm.sources") or None, text_in_mm_rows=float(m.text_in_mm_rows),
       caption_first_prob=float(m.caption_first_prob), motion=_motion(config), **kw, **common)
   return iter(ds)
@@ -323,6 +343,13 @@ def check_fits(cfg: ModelConfig, config: ml_collections.ConfigDict, mesh) -> Non
                      f"(data x fsdp x expert of mesh {dict(mesh.shape)})")
   if bs % jax.process_count():
     raise ValueError(f"train.batch_size={bs} is not divisible by the process count {jax.process_count()}")
+  extra = vision_rows(config)
+  if extra < 0 or extra % jax.process_count():
+    raise ValueError(f"data.mm.vision_rows={extra} must be >= 0 and divisible by the process count "
+                     f"{jax.process_count()} (each process appends the same number of multimodal rows)")
+  if (bs + extra) % div:
+    raise ValueError(f"train.batch_size + data.mm.vision_rows = {bs} + {extra} rows per batch is not divisible by "
+                     f"the batch-parallel mesh size {div} (data x fsdp x expert of mesh {dict(mesh.shape)})")
   eb = int(config.eval.batch_size)
   if eb % div:
     raise ValueError(f"eval.batch_size={eb} is not divisible by the batch-parallel mesh size {div}")
@@ -415,7 +442,7 @@ def train_flops_per_step(cfg: ModelConfig, config: ml_collections.ConfigDict, ba
   """Model FLOPs of one train step (fwd + bwd = 3x fwd), the MFU numerator: the text tower over batch x seq_len
   tokens, plus for VL the vision tower + projector on every item slot of the global batch (padding items too:
   they are computed)."""
-  b, t = int(config.train.batch_size), int(config.train.seq_len)
+  b, t = train_rows(config), int(config.train.seq_len)
   flops = train_flops_per_token(config_lib.text_config(cfg), t) * b * t
   if isinstance(cfg, VLConfig) and batch is not None:
     for key in ("images", "videos"):
@@ -451,6 +478,17 @@ def evaluate_sets(eval_fn, params, rest, sets: dict[str, list[dict]], mesh) -> d
     losses = [v for k, v in out.items() if k.endswith("/loss")]
     out["eval/mean_loss"] = float(np.mean(losses))
   return out
+
+
+def text_stream_metrics(data_iter) -> dict[str, Any]:
+  """What the text stream so far was (VL pipelines track it; the iterator has produced exactly the batches of the
+  steps taken when this is logged): `data/text_tokens`, the text rows' target tokens, and `data/text_hash`, the
+  first 16 hex digits of the sha256 chain over their inputs. Equal values at the same step in two runs mean the
+  same text rows in the same order (with several processes: this process's text rows)."""
+  stream = getattr(data_iter, "text_stream", None)
+  if not stream or stream.get("text_hash") is None:
+    return {}
+  return {"data/text_tokens": int(stream["text_tokens"]), "data/text_hash": str(stream["text_hash"])[:16]}
 
 
 class _Stop:
@@ -533,7 +571,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   flops_step = train_flops_per_step(cfg, config, host_batch)
   peak = peak_flops(jax.devices()[0])
   log_every, eval_every = int(config.train.log_every), int(config.train.eval_every)
-  tokens_per_step = float(config.train.batch_size) * float(config.train.seq_len)
+  tokens_per_step = float(train_rows(config)) * float(config.train.seq_len)
   progress = Progress(steps, start, quiet=jax.process_index() != 0)
   stopper = _Stop()
   final_eval: dict = {}
@@ -573,6 +611,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             m = {k: v for k, v in m.items() if k != "tokens"}
             m["tokens_per_sec"] = tps
             m["mfu"] = (tps * flops_step / tokens_per_step / (peak * jax.device_count())) if peak else None
+            m.update(text_stream_metrics(data_iter))
             writer.write(step, m)
             progress.update(step, f"loss {float(m['loss']):.4f} lr {float(m['lr']):.2e} "
                             f"gnorm {float(m['grad_norm']):.3f} {tps:,.0f} tok/s")
