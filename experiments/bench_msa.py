@@ -216,17 +216,17 @@ def plot(rows, path, decode=()):
   ax.loglog(list(DENSE_ANCHORS_MS), list(DENSE_ANCHORS_MS.values()), "s--", color="C0", alpha=0.5, mfc="none",
             label="cuDNN dense causal (DESIGN.md anchors)")
   keys = sorted({k for r in rows for k in r if k.endswith("_prefill_ms")})
-  for i, key in enumerate(keys):
+  for key in keys:
     pts = [(r["T"], r[key]) for r in rows if key in r]
-    ax.loglog(*zip(*pts), "o-", color=f"C{i + 1}", label=key.replace("_prefill_ms", " MSA prefill"))
+    ax.loglog(*zip(*pts), "o-", color="C1" if "fp8" in key else "C2", label=key.replace("_prefill_ms", " MSA prefill"))
   ax.set(xlabel="context length T (tokens)", ylabel="ms", title="one layer, prefill (forward)")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
   if decode:
     ax = axes[0, 1]
-    for i, impl in enumerate(sorted({d["impl"] for d in decode})):
+    for impl in sorted({d["impl"] for d in decode}):
       pts = sorted((d["cached"], d["msa_ms"]) for d in decode if d["impl"] == impl)
-      ax.loglog(*zip(*pts), "o-", color=f"C{i + 1}", label=f"{impl} MSA decode")
+      ax.loglog(*zip(*pts), "o-", color="C1" if "fp8" in impl else "C2", label=f"{impl} MSA decode")
     pts = sorted({d["cached"]: d["cudnn_ms"] for d in decode if d["impl"] == "pallas"}.items())
     ax.loglog(*zip(*pts), "o-", color="C0", label="cuDNN dense decode")
     ax.set(xlabel="cached tokens", ylabel="ms", title=f"one decoding step, batch {decode[0]['batch']}")
@@ -254,10 +254,12 @@ def main():
   ap.add_argument("--decode_only", action="store_true", help="skip the prefill rows (decode and train only)")
   ap.add_argument("--out", default="bench_msa.json")
   ap.add_argument("--replot", default="", help="only redraw --plot from this JSON of an earlier run")
+  ap.add_argument("--replot_decode", default="", help="with --replot: take the decode panel from this JSON instead")
   args = ap.parse_args()
   if args.replot:
     old = json.load(open(args.replot))
-    plot(old["rows"], args.plot, old.get("decode", []))
+    decode = json.load(open(args.replot_decode))["decode"] if args.replot_decode else old.get("decode", [])
+    plot(old["rows"], args.plot, decode)
     return
   hq, hkv, d, di, bs, topk = 64, 4, 128, 128, 128, 16
   rows, result = [], {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
