@@ -461,6 +461,9 @@ def verdict(table: dict) -> list[str]:
     lines.append("  - caveat: lr_scale also changes the text-only part of training; a text_only_lr{S} control arm "
                  "separates the LR effect from the vision effect" + ("" if any(t.startswith("text_only_lr")
                                                                              for t in text) else " (not run)"))
+  if len(pre) == 1:
+    lines.append(f"- claim 'vision before the decay is sensitive to the LR': NOT TESTED (only {pre[0]} finished; "
+                 "it needs cpt_predecay at two LRs)")
   # Claim 4: attention. Native models' text tokens attend to visual tokens; CPT-style ones barely.
   if "native" in mass and "cpt_decay" in mass:
     q = paired(mass["native"], mass["cpt_decay"])
@@ -538,8 +541,11 @@ def write_report(sweep_dir: str, runs: dict[str, dict[int, dict]], meta: dict) -
       f"Seeds: {seeds}; device: {meta['device']}; wall time per run (train + evals + attention analysis): "
       + ", ".join(f"{a} {statistics.fmean(r['wall_s'] for r in runs[a].values()):.0f}s" for a in arms)
       + (f". {meta['note']}" if meta.get("note") else "."), "",
-      "| arm setting | vision rows from step | LR x scale from step |", "|---|---|---|",
   ]
+  unfinished = [f"{a}_s{seed}" for seed in meta["seeds"] for a in meta["arms"] if seed not in runs.get(a, {})]
+  if unfinished:
+    lines += [f"**Not finished, left out of every table and claim below:** {', '.join(unfinished)}.", ""]
+  lines += ["| arm setting | vision rows from step | LR x scale from step |", "|---|---|---|"]
   for a in arms:
     s = next(iter(runs[a].values()))["setting"]
     vis = "-" if s["vision_start_step"] is None else str(s["vision_start_step"])
@@ -814,14 +820,20 @@ def plot_maps(sweep_dir: str, runs: dict, arms: list[str]) -> str:
 
 # ======================================================================================================= main ==
 
-def load_runs(sweep_dir: str, arms: list[str], seeds: list[int]) -> dict[str, dict[int, dict]]:
+def load_runs(sweep_dir: str, arms: list[str], seeds: list[int], steps: int = 0) -> dict[str, dict[int, dict]]:
+  """Finished runs' analyses; with `steps`, a run that recorded fewer trained steps is left out (and said so)."""
   runs: dict[str, dict[int, dict]] = {}
   for arm in arms:
     for seed in seeds:
       path = os.path.join(sweep_dir, f"{arm}_s{seed}", "analysis.json")
       if os.path.exists(path):
         with open(path) as f:
-          runs.setdefault(arm, {})[seed] = json.load(f)
+          analysis = json.load(f)
+        if steps and analysis.get("steps_trained", steps) < steps:
+          print(f"[native_vs_cpt] {arm}_s{seed} trained {analysis['steps_trained']} of {steps} steps: left out",
+                flush=True)
+          continue
+        runs.setdefault(arm, {})[seed] = analysis
   return runs
 
 
@@ -887,16 +899,25 @@ def main(argv=None):
       cfg = make_config(a.size, setting, seed, a.steps, a.data_dir, a.override, a.config_arg)
       t0 = time.time()
       trainer.train_and_evaluate(cfg, work)
+      # The trainer returns normally after a SIGTERM (it saves and stops): such a run must not be analysed and
+      # reported as finished, and the sweep must stop rather than start the next run on a machine being taken away.
+      ckpt = trainer.make_checkpointer(cfg, work)
+      trained = ckpt.latest_step() or 0
+      ckpt.close()
+      if trained < int(cfg.train.steps):
+        raise SystemExit(f"[native_vs_cpt] {setting} seed {seed} stopped at step {trained} of {int(cfg.train.steps)} "
+                         f"(interrupted); the same command resumes it from {work}")
       analysis = run_analysis(cfg, work, setting, seed, 0.0, os.path.join(sweep_dir, "attention_examples.json"))
       analysis["wall_s"] = time.time() - t0
+      analysis["steps_trained"] = trained
       with open(done_path + ".tmp", "w") as f:
         json.dump(analysis, f)
       os.replace(done_path + ".tmp", done_path)
       done_here.append(time.time() - t0)
-      write_results(sweep_dir, load_runs(sweep_dir, arms, seeds), meta)
+      write_results(sweep_dir, load_runs(sweep_dir, arms, seeds, meta["steps"]), meta)
       print(f"[native_vs_cpt] run {i + 1}/{len(todo)}: {setting} seed {seed} done in {done_here[-1]:.0f}s "
             f"(elapsed {time.time() - t_sweep:.0f}s)", flush=True)
-  runs = load_runs(sweep_dir, arms, seeds)
+  runs = load_runs(sweep_dir, arms, seeds, meta["steps"])
   missing = [f"{s}_s{seed}" for s, seed in todo if seed not in runs.get(s, {})]
   if missing:
     print(f"[native_vs_cpt] not finished (left out of the report): {', '.join(missing)}", flush=True)

@@ -352,3 +352,21 @@ def test_driver_micro_smoke(data_dir, tmp_path):
     factor = 0.3 if step - 1 >= 5 else 1.0
     assert lr["cpt_predecay_lr0.3"][step] == pytest.approx(factor * x, rel=1e-6), step
   assert math.isfinite(res["summary"]["cpt_predecay_lr0.3"]["0"]["text"])
+
+  # A run that recorded fewer trained steps than the schedule (a time limit's SIGTERM) is left out of the report,
+  # and the report says so, rather than being compared at an unequal text budget.
+  path = os.path.join(sweep, "cpt_predecay_lr0.3_s0", "analysis.json")
+  with open(path) as f:
+    analysis = json.load(f)
+  assert analysis["steps_trained"] == 10
+  analysis["steps_trained"] = 7
+  with open(path, "w") as f:
+    json.dump(analysis, f)
+  p = subprocess.run(cmd + ["--report_only"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  assert "cpt_predecay_lr0.3_s0 trained 7 of 10 steps: left out" in p.stdout
+  with open(os.path.join(sweep, "report.md")) as f:
+    report = f.read()
+  assert "**Not finished, left out of every table and claim below:** cpt_predecay_lr0.3_s0." in report
+  assert "| cpt_predecay_lr0.3 |" not in report
