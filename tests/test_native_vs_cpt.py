@@ -283,6 +283,23 @@ def test_verdict_from_hand_made_tables():
   assert "keeps text capability': DOES NOT REPRODUCE" in lines
   assert "CPT-style ones': DOES NOT REPRODUCE (within noise)" in lines
 
+  # with the LR's own control the claim is judged on vision's effect at each LR: here lr0.3 costs text through
+  # the LR change alone (control +0.1) and vision adds the same small amount at both LRs -> not sensitive
+  table["text_loss"].update({"text_only_lr0.3": arm(0.10, 0.11, 0.12), "cpt_predecay_lr0.3": arm(0.11, 0.12, 0.13),
+                             "cpt_predecay_lr1.0": arm(0.01, 0.01, 0.01)})
+  lines = "\n".join(driver.verdict(dict(table, noise_floor=0.02)))
+  assert ("vision's own effect at this LR (cpt_predecay_lr0.3 - text_only_lr0.3) = +0.0100 nats (std 0.0000 over 3 "
+          "seeds") in lines
+  assert "the LR change alone (text_only_lr0.3 - text_only) = +0.1100 nats" in lines
+  assert "sensitive to the LR': NOT sensitive to this LR change (below the numerical noise floor)" in lines
+  assert "judged on vision's own effect" in lines
+  # vision costs 0.063 more at lr0.3 than at lr1.0 (above the floor, every seed): the LR matters for vision
+  table["text_loss"]["cpt_predecay_lr0.3"] = arm(0.18, 0.18, 0.19)
+  lines = "\n".join(driver.verdict(dict(table, noise_floor=0.02)))
+  assert ("the LR matters here (clear): vision costs more text at cpt_predecay_lr0.3, vision's effect at "
+          "cpt_predecay_lr0.3 minus at cpt_predecay_lr1.0 = +0.0633 nats") in lines
+  del table["text_loss"]["text_only_lr0.3"]
+
   # a difference below the numerical noise floor (vision arms vs text_only before vision starts) is noise
   table["text_loss"]["cpt_decay"] = arm(0.05, 0.06, 0.055)
   lines = "\n".join(driver.verdict(dict(table, noise_floor=0.06)))
