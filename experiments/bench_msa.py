@@ -7,6 +7,9 @@ times with warm-up and the median of repeats. Prints a table and writes JSON.
   python experiments/bench_msa.py --impls=pallas --seq=32768 --seq=131072 --seq=524288 --seq=1048576 \
       --query_chunk=131072 --dense_max_t=131072 --topk_anchor --train_seq=32768 --train_seq=131072 \
       --decode_len=131072 --decode_len=1048576 --out=$OUT/bench_msa_layer.json --plot=$OUT/msa_vs_dense.png
+  # the KL alone per teacher variant (fused / loop / unroll over the group's heads), then the training step
+  python experiments/bench_msa.py --impls=pallas --skip_check --decode_only --kl_teachers=131072 \
+      --train_seq=32768 --train_seq=131072 --out=$OUT/bench_kl.json
 
 Useful FLOPs (DESIGN.md §2): sparse attention forward 4*Hq*D*T*k*Bk (causal ignored: every query reads k*Bk keys
 once T >= k*Bk); dense causal attention forward 2*Hq*D*T^2; index scoring Hkv*d_idx*T^2.
@@ -177,6 +180,27 @@ def train_step_times(impl, t, hq, hkv, d, di, bs, topk, sel_knobs=None):
   return timeit(jax.jit(msa_step), q, k, v, qi, ki, do), timeit(jax.jit(dense_step), q, k, v, do)
 
 
+def kl_teacher_times(t, hq, hkv, d, di, bs, topk):
+  """The KL alone (forward, and forward + backward to the index q/k) for each way of averaging the teacher's heads
+  (`pallas_kl.TEACHERS`), on the selection and log-sum-exp of the Pallas forward; the losses must agree."""
+  from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
+  q, k, v, qi, ki = inputs(jax.random.key(7), t, hq, hkv, d, di, jnp.bfloat16)
+  idx = jax.jit(lambda qi, ki: pallas_select.select_blocks(qi, ki, block_size=bs, topk=topk))(qi, ki)
+  _, lse = jax.jit(lambda q, k, v, idx: msa.sparse_attention_with_lse(q, k, v, idx, block_size=bs))(q, k, v, idx)
+  out = []
+  for teacher in pallas_kl.TEACHERS:
+    loss = lambda qi, ki, teacher=teacher: pallas_kl.kl_loss(q, k, qi, ki, idx, block_size=bs, lse=lse,  # noqa: E731
+                                                             teacher=teacher)
+    fwd, both = jax.jit(loss), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    value, (dqi, dki) = both(qi, ki)
+    out.append({"T": t, "teacher": teacher, "loss": float(value), "kl_fwd_ms": 1e3 * timeit(fwd, qi, ki),
+                "kl_fwd_bwd_ms": 1e3 * timeit(both, qi, ki),
+                "dqi_norm": float(jnp.linalg.norm(dqi.astype(jnp.float32))),
+                "dki_norm": float(jnp.linalg.norm(dki.astype(jnp.float32)))})
+    print(json.dumps(out[-1]), flush=True)
+  return out
+
+
 def decode_times(impl, batch, length, hq, hkv, d, di, bs, topk, fp8=False):
   """One decoding step (1 new token per sequence) over `length` cached tokens: MSA (index scoring over the
   index-key cache, top-k, sparse attention) vs cuDNN dense attention over the whole KV cache."""
@@ -246,6 +270,7 @@ def main():
   ap.add_argument("--topk_anchor", action="store_true")
   ap.add_argument("--train_seq", type=int, action="append", default=[])
   ap.add_argument("--decode_len", type=int, action="append", default=[])
+  ap.add_argument("--kl_teachers", type=int, default=0, help="time the KL alone per teacher variant at this T")
   ap.add_argument("--decode_batch", type=int, default=8)
   ap.add_argument("--plot", default="")
   ap.add_argument("--select_variants", type=int, default=0, help="time the fused selection's tilings at this T")
@@ -311,6 +336,9 @@ def main():
     save()
     print(json.dumps(row), flush=True)
     del q, k, v, qi, ki
+  if args.kl_teachers:
+    result["kl_teachers"] = kl_teacher_times(args.kl_teachers, hq, hkv, d, di, bs, topk)
+    save()
   extra = result.setdefault("train", []), result.setdefault("decode", [])
   extra = {"train": extra[0], "decode": extra[1]}
   for impl in args.impls.split(","):

@@ -15,8 +15,9 @@ receive gradients (the teacher is a stop-gradient target). One program per (b, h
 (like the attention backward): it accumulates the block's dk_idx for this group in registers and writes each pair's
 dq_idx share, which merge_dq sums per query. dk_idx of the shared index key is summed over the groups by XLA.
 
-Everything is recomputed from q, k, lse, q_idx and k_idx; no T x S array exists at any point.
-Status: checked in interpret mode against the float64 oracle; not yet lowered or timed on a GPU (issue 5).
+Everything is recomputed from q, k, lse, q_idx and k_idx; no T x S array exists at any point. The teacher's
+G heads per (query, block) are where the FLOPs are (G dots of [D, block] per pair against one for z): `KLConfig`
+says how they are computed.
 """
 
 from __future__ import annotations
@@ -35,30 +36,75 @@ from pallas_kernels.msa.pallas_fwd import _iota, dot, rows_cols, visible_mask
 from pallas_kernels.msa.pallas_map import build_kv_map
 
 
+TEACHERS = ("fused", "loop", "unroll")
+FUSED_MAX_TILE = 256  # rows x G of the fused teacher's [rows * G, block] score tile: kept in registers
+
+
 @dataclasses.dataclass(frozen=True)
 class KLConfig:
+  """Tiling. `teacher` picks how the group's G heads are averaged (see `_teacher`): "fused" (one [rows * G, D] dot
+  and an exact pooling dot; the default for 16-bit inputs), "loop" (a device loop over the heads, one [rows, D] dot
+  each; the default for f32, whose full-precision dots Triton compiles as FMA code that grows with every unrolled
+  dot) or "unroll" (the same dots unrolled in Python; measured for comparison)."""
   block_size: int
   scale: float
   index_scale: float
   interpret: bool
-  rows: int = 32  # query pairs per loop step (each step runs G + 1 dots of [rows, D] x [D, block])
+  teacher: str = "loop"
+  rows: int = 32  # query pairs per loop step
   steps: int = 8  # forward: steps per program before a hot block is split over another program
   num_warps: int = 4
   num_stages: int = 1
 
 
-def _teacher(q_ref, k, lse_ref, b, h, t, vis, *, G, Hq, D, scale):
-  """[R, bs] mean over the group's heads of exp(s - lse): the main branch's probabilities on the support."""
-  acc = jnp.zeros(vis.shape, jnp.float32)
-  for g in range(G):  # one [R, D] x [D, bs] dot per head keeps every tile 2-D (no in-kernel reshape)
+def _teacher(q_ref, k, lse_ref, b, h, t, vis, rg, *, G, Hq, D, scale, mode):
+  """[R, bs] mean over the group's heads of exp(s - lse): the main branch's probabilities on the support.
+
+  t [R] query positions, vis [R, bs] their support in this block. For "fused", rg = (t_rg, vis_rg, pool): the same
+  rows repeated per head ([R * G] and [R * G, bs], row r * G + g = query r, head g) and the [R, R * G] pooling matrix
+  with 1/G where a row's head block is; one dot scores every head of the tile and the pooling dot averages them.
+  """
+  if mode == "fused":
+    t_rg, vis_rg, pool = rg
+    rows = t_rg * Hq + h * G + jax.lax.rem(_iota(t_rg.shape[0]), G)  # [R*G]
+    s = dot(q_ref[(b, *rows_cols(rows, D))], k.T) * scale  # [R*G, bs]
+    e = jnp.where(vis_rg, jnp.exp(s - lse_ref[b, rows][:, None]), 0.0)
+    # 1/G (G a power of two) is exact in bf16, so the pooling is as exact as e's pieces: e split into bf16 terms
+    # (8 bits of mantissa each) keeps 16 bits with two terms (16-bit inputs) and all 24 with three (f32 inputs).
+    acc = jnp.zeros(vis.shape, jnp.float32)
+    for _ in range(3 if q_ref.dtype == jnp.float32 else 2):
+      piece = e.astype(jnp.bfloat16)
+      acc += dot(pool, piece)
+      e = e - piece.astype(jnp.float32)
+    return acc
+
+  def head(g, acc):
     rows = t * Hq + h * G + g
-    s = dot(q_ref[(b, *rows_cols(rows, D))], k.T) * scale
-    acc += jnp.where(vis, jnp.exp(s - lse_ref[b, rows][:, None]), 0.0)
+    s = dot(q_ref[(b, *rows_cols(rows, D))], k.T) * scale  # [R, bs]
+    return acc + jnp.where(vis, jnp.exp(s - lse_ref[b, rows][:, None]), 0.0)
+
+  acc = jnp.zeros(vis.shape, jnp.float32)
+  if mode == "loop":
+    acc = jax.lax.fori_loop(0, G, head, acc)
+  else:
+    for g in range(G):
+      acc = head(g, acc)
   return acc / G
 
 
+def _fused_rows(sorted_t_ref, bh, first, row_ok_of, q_off, k_pos, seg_ref, b, k0, *, R, G, bs, mode):
+  """The fused teacher's per-head rows of this step (see `_teacher`); None for the other modes."""
+  if mode != "fused":
+    return None
+  r_rg = _iota(R * G) // G  # [R*G]: the query row of each (row, head)
+  t_rg = sorted_t_ref[bh, first + r_rg]
+  vis_rg = visible_mask(q_off + t_rg, k_pos, row_ok_of(r_rg), seg_ref, b, k0, bs)  # [R*G, bs]
+  pool = jnp.where(_iota(R)[:, None] == r_rg[None, :], 1.0 / G, 0.0).astype(jnp.bfloat16)  # [R, R*G]
+  return t_rg, vis_rg, pool
+
+
 def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, sorted_t_ref, q_ref, k_ref, lse_ref,
-                  qi_ref, ki_ref, *refs, G, Hq, Hkv, R, bs, D, di, scale, index_scale, has_seg):
+                  qi_ref, ki_ref, *refs, G, Hq, Hkv, R, bs, D, di, scale, index_scale, has_seg, teacher):
   seg_ref = refs[0] if has_seg else None
   mz_ref, lz_ref, plogp_ref, pz_ref = refs[-4:]
   bh, c = pl.program_id(0), pl.program_id(1)
@@ -72,10 +118,13 @@ def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, s
 
   def step(it, carry):
     first = start + it * R
-    row_ok = it * R + r < count
+    row_ok_of = lambda rr: it * R + rr < count  # noqa: E731
+    row_ok = row_ok_of(r)
     t = sorted_t_ref[bh, first + r]  # [R]
     vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
-    p = _teacher(q_ref, k, lse_ref, b, h, t, vis, G=G, Hq=Hq, D=D, scale=scale)
+    rg = _fused_rows(sorted_t_ref, bh, first, row_ok_of, offset_ref[b], k_pos, seg_ref, b, k0, R=R, G=G, bs=bs,
+                     mode=teacher)
+    p = _teacher(q_ref, k, lse_ref, b, h, t, vis, rg, G=G, Hq=Hq, D=D, scale=scale, mode=teacher)
     z = dot(qi_ref[(b, *rows_cols(t * Hkv + h, di))], ki.T) * index_scale  # [R, bs]
     z = jnp.where(vis, z, -jnp.inf)
     mz = jnp.max(z, axis=1)
@@ -92,7 +141,8 @@ def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, s
 
 
 def _grad_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, k_ref, lse_ref, qi_ref, ki_ref,
-                 lse_z_ref, *refs, G, Hq, Hkv, R, bs, D, di, scale, index_scale, has_seg):
+                 lse_z_ref, *refs, G, Hq, Hkv, R, bs, D, di, scale, index_scale, has_seg,
+                 teacher):
   seg_ref = refs[0] if has_seg else None
   dki_ref, dqi_ref = refs[-2:]
   bh, j = pl.program_id(0), pl.program_id(1)
@@ -106,10 +156,13 @@ def _grad_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, 
 
   def step(it, dki):
     first = start + it * R
-    row_ok = it * R + r < count
+    row_ok_of = lambda rr: it * R + rr < count  # noqa: E731
+    row_ok = row_ok_of(r)
     t = sorted_t_ref[bh, first + r]
     vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
-    p = _teacher(q_ref, k, lse_ref, b, h, t, vis, G=G, Hq=Hq, D=D, scale=scale)
+    rg = _fused_rows(sorted_t_ref, bh, first, row_ok_of, offset_ref[b], k_pos, seg_ref, b, k0, R=R, G=G, bs=bs,
+                     mode=teacher)
+    p = _teacher(q_ref, k, lse_ref, b, h, t, vis, rg, G=G, Hq=Hq, D=D, scale=scale, mode=teacher)
     qi = qi_ref[(b, *rows_cols(t * Hkv + h, di))]  # [R, di]
     z = dot(qi, ki.T) * index_scale
     dz = jnp.where(vis, jnp.exp(z - lse_z_ref[bh, t][:, None]) - p, 0.0)  # [R, bs], before the 1 / (B T Hkv)
@@ -136,7 +189,7 @@ def _prepare(q, k, q_idx, k_idx, block_idx, segment_ids, cfg):
 
 def _common_kw(x, cfg):
   return dict(G=x["G"], Hq=x["Hq"], Hkv=x["Hkv"], R=cfg.rows, bs=cfg.block_size, D=x["D"], di=x["di"],
-              scale=cfg.scale, index_scale=cfg.index_scale, has_seg=x["seg"] is not None)
+              scale=cfg.scale, index_scale=cfg.index_scale, has_seg=x["seg"] is not None, teacher=cfg.teacher)
 
 
 def _call(kernel, grid, out_shape, args, x, cfg, name):
@@ -178,9 +231,22 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
   S = k.shape[1]
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  G = Hq // k.shape[2]
+  teacher = knobs.pop("teacher", None)
+  if teacher is None:
+    fusable = q.dtype != jnp.float32 and G & (G - 1) == 0 and 16 * G <= FUSED_MAX_TILE
+    teacher = "fused" if fusable else "loop"
+  if teacher not in TEACHERS:
+    raise ValueError(f"teacher={teacher!r}: expected one of {TEACHERS}")
+  if teacher == "fused":
+    if G & (G - 1):
+      raise ValueError(f"teacher='fused' needs a power-of-two group size (exact 1/G in bf16); G = Hq/Hkv = {G}")
+    # [rows * G, block] scores stay in registers: as many rows as fit FUSED_MAX_TILE, at least 16 (a dot's M)
+    knobs.setdefault("rows", max(16, FUSED_MAX_TILE // G))
+    knobs.setdefault("num_warps", 8)
   cfg = KLConfig(block_size=block_size, scale=D ** -0.5 if scale is None else float(scale),
                  index_scale=q_idx.shape[-1] ** -0.5 if index_scale is None else float(index_scale),
-                 interpret=interpret, **knobs)
+                 interpret=interpret, teacher=teacher, **knobs)
   offset = msa_pallas.row_offsets(q_offset, B, S, T)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   block_idx = jnp.asarray(block_idx, jnp.int32)
