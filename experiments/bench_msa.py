@@ -180,7 +180,7 @@ def train_step_times(impl, t, hq, hkv, d, di, bs, topk, sel_knobs=None):
   return timeit(jax.jit(msa_step), q, k, v, qi, ki, do), timeit(jax.jit(dense_step), q, k, v, do)
 
 
-def kl_teacher_times(t, hq, hkv, d, di, bs, topk):
+def kl_teacher_times(t, hq, hkv, d, di, bs, topk, teachers):
   """The KL alone (forward, and forward + backward to the index q/k) for each way of averaging the teacher's heads
   (`pallas_kl.TEACHERS`), on the selection and log-sum-exp of the Pallas forward; the losses must agree."""
   from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
@@ -188,13 +188,15 @@ def kl_teacher_times(t, hq, hkv, d, di, bs, topk):
   idx = jax.jit(lambda qi, ki: pallas_select.select_blocks(qi, ki, block_size=bs, topk=topk))(qi, ki)
   _, lse = jax.jit(lambda q, k, v, idx: msa.sparse_attention_with_lse(q, k, v, idx, block_size=bs))(q, k, v, idx)
   out = []
-  for teacher in pallas_kl.TEACHERS:
-    loss = lambda qi, ki, teacher=teacher: pallas_kl.kl_loss(q, k, qi, ki, idx, block_size=bs, lse=lse,  # noqa: E731
-                                                             teacher=teacher)
+  for teacher in teachers:
+    # every array is an argument: a closure would embed GBs of constants in the program and slow its compilation
+    loss = lambda qi, ki, q, k, idx, lse, teacher=teacher: pallas_kl.kl_loss(  # noqa: E731
+        q, k, qi, ki, idx, block_size=bs, lse=lse, teacher=teacher)
     fwd, both = jax.jit(loss), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    value, (dqi, dki) = both(qi, ki)
-    out.append({"T": t, "teacher": teacher, "loss": float(value), "kl_fwd_ms": 1e3 * timeit(fwd, qi, ki),
-                "kl_fwd_bwd_ms": 1e3 * timeit(both, qi, ki),
+    args = (qi, ki, q, k, idx, lse)
+    value, (dqi, dki) = both(*args)
+    out.append({"T": t, "teacher": teacher, "loss": float(value), "kl_fwd_ms": 1e3 * timeit(fwd, *args),
+                "kl_fwd_bwd_ms": 1e3 * timeit(both, *args),
                 "dqi_norm": float(jnp.linalg.norm(dqi.astype(jnp.float32))),
                 "dki_norm": float(jnp.linalg.norm(dki.astype(jnp.float32)))})
     print(json.dumps(out[-1]), flush=True)
@@ -271,6 +273,7 @@ def main():
   ap.add_argument("--train_seq", type=int, action="append", default=[])
   ap.add_argument("--decode_len", type=int, action="append", default=[])
   ap.add_argument("--kl_teachers", type=int, default=0, help="time the KL alone per teacher variant at this T")
+  ap.add_argument("--kl_teacher_list", default="loop,fused,unroll")
   ap.add_argument("--decode_batch", type=int, default=8)
   ap.add_argument("--plot", default="")
   ap.add_argument("--select_variants", type=int, default=0, help="time the fused selection's tilings at this T")
@@ -337,7 +340,8 @@ def main():
     print(json.dumps(row), flush=True)
     del q, k, v, qi, ki
   if args.kl_teachers:
-    result["kl_teachers"] = kl_teacher_times(args.kl_teachers, hq, hkv, d, di, bs, topk)
+    result["kl_teachers"] = kl_teacher_times(args.kl_teachers, hq, hkv, d, di, bs, topk,
+                                             args.kl_teacher_list.split(","))
     save()
   extra = result.setdefault("train", []), result.setdefault("decode", [])
   extra = {"train": extra[0], "decode": extra[1]}

@@ -264,7 +264,7 @@ def test_kl_loss_and_index_gradients_match_oracle(segmented):
 
 
 def test_kl_fused_teacher_bf16_matches_oracle():
-  """The default for 16-bit inputs: all G heads in one dot, averaged by the pooling dot over bf16 pieces. Against the
+  """The fused teacher on 16-bit inputs: all G heads in one dot, averaged by the pooling dot over bf16 pieces. Against the
   float64 oracle on the same bf16-rounded inputs, so only the kernel's own rounding is measured (f32 accumulation;
   16 mantissa bits kept through the pooling)."""
   from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
@@ -275,7 +275,7 @@ def test_kl_fused_teacher_bf16_matches_oracle():
   sel = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, 1, 0)[0].astype(np.int32)
   bf = {k: jnp.asarray(v, jnp.bfloat16) for k, v in x.items()}
   f = lambda qi, ki: pallas_kl.kl_loss(bf["q"], bf["k"], qi.astype(jnp.bfloat16), ki.astype(jnp.bfloat16), sel,  # noqa
-                                       block_size=8, steps=1)
+                                       block_size=8, steps=1, teacher="fused")
   loss, (dqi, dki) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(x["q_idx"]), jnp.asarray(x["k_idx"]))
   want, dq_idx, dk_idx, _ = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], np_support(sel, c.T, c.S, 8, 0),
                                   c.D ** -0.5, c.d_idx ** -0.5)
