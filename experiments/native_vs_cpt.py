@@ -461,8 +461,7 @@ def verdict(table: dict) -> list[str]:
     a, b = pre[0], pre[-1]
     if a in vision_at and b in vision_at:
       # difference in differences: does vision cost more text at one LR than at the other?
-      va, vb = vision_at[a]["per_seed"], vision_at[b]["per_seed"]
-      q = paired(va, {k: vb[k] for k in va if k in vb})
+      q = paired(vision_at[a]["per_seed"], vision_at[b]["per_seed"])
       what = f"vision's effect at {a} minus at {b} = {_fmt_p(q)}"
       both_small = below_floor(vision_at[a]) and below_floor(vision_at[b])
       controlled = True

@@ -253,20 +253,20 @@ def test_kl_loss_and_index_gradients_match_oracle(segmented):
   from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
   _, lse = msa_pallas.sparse_attention_with_lse(x["q"], x["k"], x["v"], sel, block_size=4, segment_ids=seg_arg)
   # Small tiles: several programs per block forward, several loop steps per block backward; every way of averaging
-  # the teacher's heads (the f32 default above is "loop").
+  # the teacher's heads (the default above is "loop").
   for teacher in pallas_kl.TEACHERS:
-    fused = lambda qi, ki: pallas_kl.kl_loss(x["q"], x["k"], qi, ki, sel, block_size=4,  # noqa: E731, B023
-                                             segment_ids=seg_arg, lse=lse, rows=16, steps=1, teacher=teacher)
-    loss2, (dqi2, dki2) = jax.value_and_grad(fused, argnums=(0, 1))(x["q_idx"], x["k_idx"])
+    kl = lambda qi, ki: pallas_kl.kl_loss(x["q"], x["k"], qi, ki, sel, block_size=4,  # noqa: E731, B023
+                                          segment_ids=seg_arg, lse=lse, rows=16, steps=1, teacher=teacher)
+    loss2, (dqi2, dki2) = jax.value_and_grad(kl, argnums=(0, 1))(x["q_idx"], x["k_idx"])
     assert_close(loss2, want, f"kl with the attention's lse, teacher {teacher}")
     assert_close(dqi2, dq_idx, f"d q_idx, small tiles, teacher {teacher}")
     assert_close(dki2, dk_idx, f"d k_idx, small tiles, teacher {teacher}")
 
 
 def test_kl_fused_teacher_bf16_matches_oracle():
-  """The fused teacher on 16-bit inputs: all G heads in one dot, averaged by the pooling dot over bf16 pieces. Against the
-  float64 oracle on the same bf16-rounded inputs, so only the kernel's own rounding is measured (f32 accumulation;
-  16 mantissa bits kept through the pooling)."""
+  """The fused teacher on 16-bit inputs: all G heads in one dot, averaged by the pooling dot over bf16 pieces.
+  Against the float64 oracle on the same bf16-rounded inputs, so only the kernel's own rounding is measured (f32
+  accumulation; 16 mantissa bits kept through the pooling)."""
   from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
   from tests.test_msa_ops import np_kl  # noqa: PLC0415
   c = Case("kl16", B=1, T=48, S=48, Hq=16, Hkv=2, D=16, block_size=8, topk=3, d_idx=16)

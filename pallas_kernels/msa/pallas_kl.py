@@ -61,13 +61,13 @@ class KLConfig:
 def _teacher(q_ref, k, lse_ref, b, h, t, vis, rg, *, G, Hq, D, scale, mode):
   """[R, bs] mean over the group's heads of exp(s - lse): the main branch's probabilities on the support.
 
-  t [R] query positions, vis [R, bs] their support in this block. For "fused", rg = (t_rg, vis_rg, pool): the same
-  rows repeated per head ([R * G] and [R * G, bs], row r * G + g = query r, head g) and the [R, R * G] pooling matrix
-  with 1/G where a row's head block is; one dot scores every head of the tile and the pooling dot averages them.
+  t [R] query positions, vis [R, bs] their support in this block. For "fused", rg = (rows, vis_rg, pool): the q rows
+  of every (query, head) pair ([R * G], row r * G + g = query r, head g), their support [R * G, bs] and the
+  [R, R * G] pooling matrix with 1/G where a row's head block is; one dot scores every head of the tile and the
+  pooling dot averages them.
   """
   if mode == "fused":
-    t_rg, vis_rg, pool = rg
-    rows = t_rg * Hq + h * G + jax.lax.rem(_iota(t_rg.shape[0]), G)  # [R*G]
+    rows, vis_rg, pool = rg
     s = dot(q_ref[(b, *rows_cols(rows, D))], k.T) * scale  # [R*G, bs]
     e = jnp.where(vis_rg, jnp.exp(s - lse_ref[b, rows][:, None]), 0.0)
     # 1/G (G a power of two) is exact in bf16, so the pooling is as exact as e's pieces: e split into bf16 terms
@@ -93,15 +93,17 @@ def _teacher(q_ref, k, lse_ref, b, h, t, vis, rg, *, G, Hq, D, scale, mode):
   return acc / G
 
 
-def _fused_rows(sorted_t_ref, bh, first, row_ok_of, q_off, k_pos, seg_ref, b, k0, *, R, G, bs, mode):
+def _fused_rows(sorted_t_ref, bh, h, first, row_ok_of, q_off, k_pos, seg_ref, b, k0, *, R, G, Hq, bs, mode):
   """The fused teacher's per-head rows of this step (see `_teacher`); None for the other modes."""
   if mode != "fused":
     return None
-  r_rg = _iota(R * G) // G  # [R*G]: the query row of each (row, head)
+  pair = _iota(R * G)
+  r_rg = pair // G  # [R*G]: the query row of each (row, head)
   t_rg = sorted_t_ref[bh, first + r_rg]
+  rows = t_rg * Hq + h * G + jax.lax.rem(pair, G)  # [R*G] rows of q [B, T * Hq, D]
   vis_rg = visible_mask(q_off + t_rg, k_pos, row_ok_of(r_rg), seg_ref, b, k0, bs)  # [R*G, bs]
   pool = jnp.where(_iota(R)[:, None] == r_rg[None, :], 1.0 / G, 0.0).astype(jnp.bfloat16)  # [R, R*G]
-  return t_rg, vis_rg, pool
+  return rows, vis_rg, pool
 
 
 def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, sorted_t_ref, q_ref, k_ref, lse_ref,
@@ -123,8 +125,8 @@ def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, s
     row_ok = row_ok_of(r)
     t = sorted_t_ref[bh, first + r]  # [R]
     vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
-    rg = _fused_rows(sorted_t_ref, bh, first, row_ok_of, offset_ref[b], k_pos, seg_ref, b, k0, R=R, G=G, bs=bs,
-                     mode=teacher)
+    rg = _fused_rows(sorted_t_ref, bh, h, first, row_ok_of, offset_ref[b], k_pos, seg_ref, b, k0, R=R, G=G, Hq=Hq,
+                     bs=bs, mode=teacher)
     p = _teacher(q_ref, k, lse_ref, b, h, t, vis, rg, G=G, Hq=Hq, D=D, scale=scale, mode=teacher)
     z = dot(qi_ref[(b, *rows_cols(t * Hkv + h, di))], ki.T) * index_scale  # [R, bs]
     z = jnp.where(vis, z, -jnp.inf)
@@ -161,8 +163,8 @@ def _grad_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, 
     row_ok = row_ok_of(r)
     t = sorted_t_ref[bh, first + r]
     vis = visible_mask(offset_ref[b] + t, k_pos, row_ok, seg_ref, b, k0, bs)
-    rg = _fused_rows(sorted_t_ref, bh, first, row_ok_of, offset_ref[b], k_pos, seg_ref, b, k0, R=R, G=G, bs=bs,
-                     mode=teacher)
+    rg = _fused_rows(sorted_t_ref, bh, h, first, row_ok_of, offset_ref[b], k_pos, seg_ref, b, k0, R=R, G=G, Hq=Hq,
+                     bs=bs, mode=teacher)
     p = _teacher(q_ref, k, lse_ref, b, h, t, vis, rg, G=G, Hq=Hq, D=D, scale=scale, mode=teacher)
     qi = qi_ref[(b, *rows_cols(t * Hkv + h, di))]  # [R, di]
     z = dot(qi, ki.T) * index_scale
