@@ -193,7 +193,8 @@ def analyse_attention(config, workdir: str, sources: dict[str, list[str]], examp
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from m3_jax.train import sharding, trainer  # noqa: PLC0415
+  from m3_jax.core import sharding
+  from m3_jax.train import trainer  # noqa: PLC0415
   from m3_jax.train.steps import forward  # noqa: PLC0415
   mesh = sharding.make_mesh(dict(config.mesh))
   _, graphdef, params, rest, _ = trainer.load_params(config, workdir, mesh)

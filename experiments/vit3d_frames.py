@@ -104,7 +104,8 @@ def measure(config, workdir: str, n: int) -> dict:
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from m3_jax.train import config_lib, sharding, trainer  # noqa: PLC0415
+  from m3_jax.core import sharding
+  from m3_jax.train import config_lib, trainer  # noqa: PLC0415
   from m3_jax.train.optimizer import make_optimizer  # noqa: PLC0415
   from m3_jax.train.steps import make_train_step  # noqa: PLC0415
   config = config.copy_and_resolve_references()

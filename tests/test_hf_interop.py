@@ -282,7 +282,7 @@ import json, sys
 import jax, numpy as np
 from flax import nnx
 from m3_jax.interop import hf
-from m3_jax.train.sharding import make_mesh
+from m3_jax.core.sharding import make_mesh
 mesh = make_mesh({"fsdp": 2, "tensor": 2, "expert": 2})
 path = sys.argv[1]
 model, cfg = hf.load(path, mesh=mesh)

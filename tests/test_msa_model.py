@@ -121,7 +121,8 @@ def test_warmup_switch_is_dense_then_sparse_without_recompiling():
 
 def test_dense_to_msa_conversion_copies_the_dense_weights(tmp_path):
   from m3_jax.train import checkpoint as ckpt_lib
-  from m3_jax.train import sharding, trainer
+  from m3_jax.core import sharding
+  from m3_jax.train import trainer
   from m3_jax.train.optimizer import OptimConfig, make_optimizer
   dense_cfg = msa_cfg(layer_types=["full_attention", "full_attention"])
   dense = randomize(TextModel(dense_cfg, rngs=nnx.Rngs(3)))

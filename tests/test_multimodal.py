@@ -290,7 +290,7 @@ def test_loader_names_bad_vision_tensors_and_reads_hf_memory_names(tmp_path):
 
 
 def test_every_parameter_has_logical_axes_the_mesh_table_knows():
-  from m3_jax.train.sharding import logical_to_spec
+  from m3_jax.core.sharding import logical_to_spec
   model = nnx.eval_shape(lambda: VLModel(tiny_cfg(), rngs=nnx.Rngs(0)))
   n = 0
   for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):

@@ -34,11 +34,12 @@ from typing import Any
 import grain
 import numpy as np
 
+from m3_jax.core.batch import TEXT_KEYS
 from m3_jax.data import corpus
 
 __all__ = ["list_sources", "make_train_dataset", "make_eval_batches", "BATCH_KEYS"]
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_KEYS = TEXT_KEYS
 
 
 def list_sources(data_dir: str) -> list[str]:

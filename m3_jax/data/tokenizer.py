@@ -20,19 +20,10 @@ from collections.abc import Iterable, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from m3_jax.core.batch import SPECIAL_TOKENS
+
 __all__ = ["SPECIAL_TOKENS", "Tokenizer", "train_bpe"]
 
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|pad|>",
-    "<|endoftext|>",
-    "<image>",
-    "<video>",
-    "<|image_start|>",
-    "<|image_end|>",
-    "<|video_start|>",
-    "<|video_end|>",
-    *(f"<|reserved_{i}|>" for i in range(8)),
-)
 
 # Smallest vocab that holds the 256 byte symbols, the special tokens and at least one merge.
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1

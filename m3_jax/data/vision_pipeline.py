@@ -65,6 +65,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from m3_jax.core.batch import EOT, IMAGE, IMAGE_END, IMAGE_START, MM_KEYS, PAD, VIDEO, VIDEO_END, VIDEO_START
 from m3_jax.data import corpus, pipeline, vision
 from m3_jax.data.tokenizer import Tokenizer
 
@@ -72,12 +73,11 @@ __all__ = ["VisionSpec", "MM_BATCH_KEYS", "SYNTHETIC_VIDEO", "EVAL_ONLY_SOURCES"
            "DEFAULT_SPRITE_SOURCES", "list_mm_sources", "make_mm_train_dataset", "make_mm_eval_batches",
            "image_to_pixels", "normalize_pixels"]
 
-PAD, EOT, IMAGE, VIDEO, IMAGE_START, IMAGE_END, VIDEO_START, VIDEO_END = range(8)
 _VISUAL_IDS = np.array([IMAGE, VIDEO, IMAGE_START, IMAGE_END, VIDEO_START, VIDEO_END])
 
 SYNTHETIC_VIDEO = "synthetic_video"
 EVAL_ONLY_SOURCES = ("real_clips",)
-MM_BATCH_KEYS = pipeline.BATCH_KEYS + ("images", "image_valid", "videos", "video_valid")
+MM_BATCH_KEYS = MM_KEYS
 # Element shares of the multimodal examples (not token shares); only the prepared sources a spec can use count.
 DEFAULT_MM_WEIGHTS: dict[str, float] = {"fashion_mnist": 1.0, "opencv_digits": 1.0, "sklearn_digits": 0.5,
                                         "openclipart": 1.0, "emoji": 1.0, SYNTHETIC_VIDEO: 2.0}

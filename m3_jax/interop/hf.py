@@ -391,7 +391,7 @@ def plan(cfg: TextConfig, mesh=None, *, layout: str = "hf") -> LoadPlan:
   flat = {k: v for k, v in nnx.to_flat_state(state)}
   shardings = None
   if mesh is not None:
-    from m3_jax.train.sharding import state_shardings  # noqa: PLC0415
+    from m3_jax.core.sharding import state_shardings  # noqa: PLC0415
     shardings = {k: v for k, v in nnx.to_flat_state(state_shardings(state, mesh))}
   entries, seen = [], set()
   for r in rules(cfg):

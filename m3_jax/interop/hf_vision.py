@@ -167,7 +167,7 @@ def load(path: str, *, text_overrides: dict | None = None, vision_overrides: dic
   pure = nnx.to_pure_dict(state)
   shardings = None
   if mesh is not None:
-    from m3_jax.train.sharding import state_shardings  # noqa: PLC0415
+    from m3_jax.core.sharding import state_shardings  # noqa: PLC0415
     shardings = nnx.to_pure_dict(state_shardings(state, mesh))
   pure["language_model"] = nnx.to_pure_dict(nnx.state(text_model))
   for r in rs:

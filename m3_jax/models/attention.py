@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3_jax.models.layers import RMSNorm, apply_rope, param
-from m3_jax.train.sharding import constrain
+from m3_jax.core.sharding import constrain
 
 
 def attention_mask(q_pos: jax.Array, k_pos: jax.Array, q_seg: jax.Array | None, k_seg: jax.Array | None) -> jax.Array:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3_jax.train.sharding import constrain
+from m3_jax.core.sharding import constrain
 
 
 def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], *, std: float | None = None,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3_jax.models.layers import DenseMLP, param, swiglu_oai
-from m3_jax.train.sharding import constrain
+from m3_jax.core.sharding import constrain
 
 
 class RouterBias(nnx.Variable):

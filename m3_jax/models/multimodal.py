@@ -27,7 +27,7 @@ from flax import nnx
 from m3_jax.models.config import VLConfig, VisionConfig
 from m3_jax.models.transformer import TextModel
 from m3_jax.models.vision import Projector, VisionTower, check_pixels
-from m3_jax.train.sharding import constrain
+from m3_jax.core.sharding import constrain
 
 # batch key -> (valid key, token id field of VLConfig, frames axis must equal temporal_patch_size)
 MODALITIES = {"images": ("image_valid", "image_token_index", True),

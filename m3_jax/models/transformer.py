@@ -17,7 +17,7 @@ from m3_jax.models.attention import Attention, AttentionDims
 from m3_jax.models.config import TextConfig
 from m3_jax.models.layers import DenseMLP, RMSNorm, param
 from m3_jax.models.moe import MoE, MoEDims
-from m3_jax.train.sharding import constrain
+from m3_jax.core.sharding import constrain
 
 
 def _dtype(name: str):

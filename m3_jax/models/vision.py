@@ -24,7 +24,7 @@ from flax import nnx
 
 from m3_jax.models.config import VisionConfig
 from m3_jax.models.layers import param
-from m3_jax.train.sharding import constrain
+from m3_jax.core.sharding import constrain
 
 _ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from m3_jax.models.config import param_count
-from m3_jax.train import config_lib, sharding
+from m3_jax.core import sharding
+from m3_jax.core.batch import TEXT_KEYS
+from m3_jax.train import config_lib
 from m3_jax.train.optimizer import make_optimizer
 from m3_jax.train.steps import make_train_step
 
@@ -49,7 +51,7 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   b, t = int(config.train.batch_size), int(config.train.seq_len)
   bsh = sharding.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
-           for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+           for k in TEXT_KEYS}
   step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
                                  kl_weight=cfg.kl_weight),
                  in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=(0,))

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from m3_jax.core.batch import VISUAL_KEYS
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -32,10 +34,6 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tup
   mask = mask.astype(jnp.float32)
   count = jnp.sum(mask)
   return jnp.sum(token_nll(logits, targets) * mask) / jnp.maximum(count, 1.0), count
-
-
-# Pixels and validity masks of a multimodal batch (VLModel keyword arguments); absent in a text batch.
-VISUAL_KEYS = ("images", "image_valid", "videos", "video_valid")
 
 
 def forward(graphdef, params, rest, batch, *, step=None, capture_attention=False):

@@ -25,12 +25,14 @@ from m3_jax.models.config import TextConfig, VLConfig, train_flops_per_token
 from m3_jax.models.multimodal import VLModel, check_batch, vision_flops
 from m3_jax.models.transformer import TextModel
 from m3_jax.train import checkpoint as ckpt_lib
-from m3_jax.train import config_lib, sharding
+from m3_jax.core import sharding
+from m3_jax.core.batch import TEXT_KEYS, VISUAL_KEYS, VISUAL_MARKERS
+from m3_jax.train import config_lib
 from m3_jax.train.metrics import MetricWriter, Progress, peak_flops
 from m3_jax.train.optimizer import make_optimizer
-from m3_jax.train.steps import VISUAL_KEYS, TrainState, make_eval_step, make_train_step
+from m3_jax.train.steps import TrainState, make_eval_step, make_train_step
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_KEYS = TEXT_KEYS
 
 
 def log(msg: str) -> None:
@@ -389,10 +391,8 @@ def check_host_batch(batch: dict, cfg: ModelConfig, what: str) -> None:
 
 def visual_token_ids(cfg: VLConfig) -> np.ndarray:
   """Target ids that never carry loss: the placeholders and the start/end markers of visual spans (our
-  tokenizer's <|image_start|> .. <|video_end|>, m3_jax/data/tokenizer.py)."""
-  from m3_jax.data.tokenizer import SPECIAL_TOKENS  # noqa: PLC0415
-  markers = [SPECIAL_TOKENS.index(f"<|{kind}_{edge}|>") for kind in ("image", "video") for edge in ("start", "end")]
-  return np.asarray(sorted({cfg.image_token_index, cfg.video_token_index, *markers}), np.int64)
+  tokenizer's <|image_start|> .. <|video_end|>, m3_jax/core/batch.py)."""
+  return np.asarray(sorted({cfg.image_token_index, cfg.video_token_index, *VISUAL_MARKERS}), np.int64)
 
 
 def _param_shapes(run_config: dict) -> dict[str, tuple]:
