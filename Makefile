@@ -2,6 +2,7 @@
 #   make run    create .venv (first use), prepare the default data with vision (first use; cached), run the tiny
 #               CPU native-vs-CPT comparison (configs/native_vs_cpt.py) and print where its report is
 #   make test   create .venv (if missing), run the whole test suite
+# plus `make test-fast` (the tests not marked slow or network: a few minutes, for the edit-test loop)
 # and one to train a single config: make train [CONFIG=configs/tiny_lm.py WORKDIR=workdirs/tiny_lm]
 SHELL := /bin/bash
 VENV := .venv
@@ -32,18 +33,21 @@ venv: $(VENV)/.installed
 
 run: venv
 	$(PY) -m m3_jax.data $(DATA) --vision
-	$(PY) experiments/native_vs_cpt.py --size=cpu --data_dir=$(DATA) --sweep_dir=$(SWEEP)
+	$(PY) -m experiments.native_vs_cpt --size=cpu --data_dir=$(DATA) --sweep_dir=$(SWEEP)
 	@echo "report: $(SWEEP)/report.md (plots: $(SWEEP)/*.png, numbers: $(SWEEP)/results.json, runs: $(SWEEP)/*_s0/)"
 
 train: venv
 	$(PY) -m m3_jax.main --config=$(CONFIG) --workdir=$(WORKDIR)
-	$(PY) experiments/plot_run.py $(WORKDIR)
+	$(PY) -m experiments.plot_run $(WORKDIR)
 	@echo "results: $(WORKDIR)/metrics.jsonl, $(WORKDIR)/plots.png, $(WORKDIR)/checkpoints/, TensorBoard events in $(WORKDIR)/tb/"
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow and not network" $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) workdirs
 
-.PHONY: venv run train test clean
+.PHONY: venv run train test test-fast clean

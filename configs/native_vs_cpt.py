@@ -2,7 +2,7 @@ r"""Native vs continued-pretraining (CPT) multimodal training under the same tex
 
   python -m m3_jax.main --config=configs/native_vs_cpt.py:arm=native --workdir=workdirs/nvc_native
   python -m m3_jax.main --config=configs/native_vs_cpt.py:arm=cpt_predecay,lr_scale=0.3,seed=1 --workdir=/tmp/p
-  python experiments/native_vs_cpt.py --size=cpu --data_dir=data --sweep_dir=workdirs/native_vs_cpt
+  python -m experiments.native_vs_cpt --size=cpu --data_dir=data --sweep_dir=workdirs/native_vs_cpt
 
 One model (a small VL model: ViT + projector + a dense M3-shaped text tower), one WSD schedule, one text stream
 per seed; the arms differ only in when multimodal rows join and, for `cpt_predecay`, in the LR from then on:

@@ -7,7 +7,7 @@ The text tower is tiny_lm's (dense first layer, then MoE); the vision tower is a
 7x7 patches, temporal patch 2, 2x2 merge and 3D attention over segments of `max_frames` temporal patches. Images
 and frames are 28x28 (4 visual tokens per image, 4 per temporal patch of a video). Each batch mixes text rows
 with multimodal rows (`vision_weight` of them): image-caption examples from the packaged image sources and
-video-caption examples of synthetic motion (real images moved by code; see m3_jax/data/vision.py). Held-out loss,
+video-caption examples of synthetic motion (real images moved by code; see m3_jax/data/motion.py). Held-out loss,
 perplexity and accuracy are reported per source: the text sources, every image source, synthetic_video (with
 the direction/object tokens that need temporal order) and the real clips (evaluation only).
 """

@@ -2,10 +2,10 @@ r"""Video captioning where temporal order matters: how many temporal patches sho
 
   python -m m3_jax.main --config=configs/vit3d_frames.py:max_frames=4 --workdir=workdirs/vit3d_mf4
   python -m m3_jax.main --config=configs/vit3d_frames.py:max_frames=1,size=micro,steps=20 --workdir=/tmp/mf1
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=experiments/results/vit3d_frames
+  python -m experiments.vit3d_frames --size=gpu --data_dir=data --sweep_dir=experiments/results/vit3d_frames
 
 Every training row holds synthetic-motion clips (real images from the packaged image sources moved along straight
-lines by code, m3_jax/data/vision.py) with templated captions that name the objects in order of appearance and the
+lines by code, m3_jax/data/motion.py) with templated captions that name the objects in order of appearance and the
 direction each moves in ("First a sneaker goes left, then the digit 7 goes up."). A single frame cannot tell a
 direction or an order, so the caption tokens that name them (the held-out set's `direction_mask` and
 `object_mask`) need temporal information. The sweep argument `max_frames` in {1, 2, 4, 8} is the ViT's segment

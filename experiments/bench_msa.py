@@ -2,13 +2,13 @@ r"""MSA op timings against cuDNN dense attention, M3 shape (Hq=64, Hkv=4, D=128,
 bf16, batch 1. Checks each op against the `reference` implementation on a small random problem first, then
 times with warm-up and the median of repeats. Prints a table and writes JSON.
 
-  python experiments/bench_msa.py --seq=32768 --out=/tmp/bench_msa.json [--impls=xla]
+  python -m experiments.bench_msa --seq=32768 --out=/tmp/bench_msa.json [--impls=xla]
   # issue 5: one MSA layer, prefill (chunked over queries past --query_chunk), training step, decode, top-k
-  python experiments/bench_msa.py --impls=pallas --seq=32768 --seq=131072 --seq=524288 --seq=1048576 \
+  python -m experiments.bench_msa --impls=pallas --seq=32768 --seq=131072 --seq=524288 --seq=1048576 \
       --query_chunk=131072 --dense_max_t=131072 --topk_anchor --train_seq=32768 --train_seq=131072 \
       --decode_len=131072 --decode_len=1048576 --out=$OUT/bench_msa_layer.json --plot=$OUT/msa_vs_dense.png
   # the KL alone per teacher variant (fused / loop / unroll over the group's heads), then the training step
-  python experiments/bench_msa.py --impls=pallas --skip_check --decode_only --kl_teachers=131072 \
+  python -m experiments.bench_msa --impls=pallas --skip_check --decode_only --kl_teachers=131072 \
       --train_seq=32768 --train_seq=131072 --out=$OUT/bench_kl.json
 
 Useful FLOPs (DESIGN.md §2): sparse attention forward 4*Hq*D*T*k*Bk (causal ignored: every query reads k*Bk keys
@@ -17,31 +17,22 @@ once T >= k*Bk); dense causal attention forward 2*Hq*D*T^2; index scoring Hkv*d_
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.lib.timing import timeit
 from pallas_kernels import msa
 from pallas_kernels.msa import pallas_select
+
+# The M3 shape: query heads, KV heads, head dim, index dim, block size, selected blocks per query.
+HQ, HKV, D, DI, BS, TOPK = 64, 4, 128, 128, 128, 16
 
 # Fused-selection tilings tried by --select_variants (the fastest bf16 one then runs the prefill rows).
 SELECT_VARIANTS = [dict(query_tile=64, num_warps=4, num_stages=2), dict(query_tile=128, num_warps=4, num_stages=2),
                    dict(query_tile=128, num_warps=8, num_stages=2), dict(query_tile=128, num_warps=8, num_stages=3),
                    dict(query_tile=64, num_warps=4, num_stages=3)]
-
-
-def timeit(fn, *args, warmup=2, repeat=5):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeat):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def inputs(key, t, hq, hkv, d, di, dtype):
@@ -263,7 +254,7 @@ def plot(rows, path, decode=()):
   plt.close(fig)
 
 
-def main():
+def parse_args() -> argparse.Namespace:
   ap = argparse.ArgumentParser()
   ap.add_argument("--seq", type=int, action="append")
   ap.add_argument("--impls", default="xla")
@@ -283,13 +274,68 @@ def main():
   ap.add_argument("--out", default="bench_msa.json")
   ap.add_argument("--replot", default="", help="only redraw --plot from this JSON of an earlier run")
   ap.add_argument("--replot_decode", default="", help="with --replot: take the decode panel from this JSON instead")
-  args = ap.parse_args()
+  return ap.parse_args()
+
+
+def prefill_row(args: argparse.Namespace, t: int, impls: list[str], knobs: dict) -> dict:
+  """One layer's prefill at T = t: cuDNN dense causal (up to --dense_max_t) and each MSA implementation (select +
+  sparse attention, or chunked over queries past --query_chunk), with speedups; the top-k anchor at 128K."""
+  q, k, v, qi, ki = inputs(jax.random.key(0), t, HQ, HKV, D, DI, jnp.bfloat16)
+  row = {"T": t}
+  if t <= args.dense_max_t:
+    dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+    t_dense = timeit(dense, q, k, v, warmup=1 if t > 131072 else 2, repeat=3 if t > 131072 else 5)
+    row.update({"cudnn_dense_fwd_ms": 1e3 * t_dense, "cudnn_tflops": 2 * HQ * D * t * t / t_dense / 1e12})
+  for impl in impls:
+    base = impl.removesuffix("_fp8")
+    sel = select_fn(base, BS, TOPK, knobs if base == "pallas" else None, fp8=impl.endswith("_fp8"))
+    att = jax.jit(lambda q, k, v, idx, off=None: msa.sparse_attention(q, k, v, idx, block_size=BS, q_offset=off,
+                                                                      implementation=base))
+    useful = 4 * HQ * D * t * TOPK * BS
+    if args.query_chunk and t > args.query_chunk:
+      t_pre = timeit(lambda *a: chunked(sel, att, *a, args.query_chunk), q, k, v, qi, ki, warmup=1, repeat=3)
+      row.update({f"{impl}_prefill_ms": 1e3 * t_pre, f"{impl}_query_chunk": args.query_chunk})
+    else:
+      t_sel = timeit(sel, qi, ki)
+      idx = sel(qi, ki)
+      t_att = timeit(att, q, k, v, idx)
+      t_pre = t_sel + t_att
+      row.update({f"{impl}_select_ms": 1e3 * t_sel, f"{impl}_sparse_fwd_ms": 1e3 * t_att,
+                  f"{impl}_sparse_tflops": useful / t_att / 1e12, f"{impl}_prefill_ms": 1e3 * t_pre})
+    if "cudnn_dense_fwd_ms" in row:
+      row[f"{impl}_speedup_vs_cudnn"] = row["cudnn_dense_fwd_ms"] / (1e3 * t_pre)
+  if args.topk_anchor and t == 131072:
+    row["lax_top_k_anchor_ms"] = 1e3 * topk_anchor(HKV, t, BS, TOPK)
+  return row
+
+
+def decode_and_train(args: argparse.Namespace, knobs: dict, extra: dict, save) -> None:
+  """Per implementation: one decoding step per --decode_len (and with the fp8 index cache under --fp8) and one
+  training step per --train_seq, each appended to extra["decode"] / extra["train"] and saved as it finishes."""
+  for impl in args.impls.split(","):
+    for n in args.decode_len:
+      for fp8 in (False, True) if args.fp8 and impl == "pallas" else (False,):
+        t_msa, t_dense = decode_times(impl, args.decode_batch, n, HQ, HKV, D, DI, BS, TOPK, fp8=fp8)
+        extra["decode"].append({"impl": impl + ("_fp8_index_cache" if fp8 else ""), "batch": args.decode_batch,
+                                "cached": n, "msa_ms": 1e3 * t_msa, "cudnn_ms": 1e3 * t_dense,
+                                "speedup": t_dense / t_msa})
+        print(json.dumps(extra["decode"][-1]), flush=True)
+        save()
+    for t in args.train_seq:
+      t_msa, t_dense = train_step_times(impl, t, HQ, HKV, D, DI, BS, TOPK, knobs if impl == "pallas" else None)
+      extra["train"].append({"impl": impl, "T": t, "msa_step_ms": 1e3 * t_msa, "cudnn_fwd_bwd_ms": 1e3 * t_dense,
+                             "speedup": t_dense / t_msa})
+      print(json.dumps(extra["train"][-1]), flush=True)
+      save()
+
+
+def main():
+  args = parse_args()
   if args.replot:
     old = json.load(open(args.replot))
     decode = json.load(open(args.replot_decode))["decode"] if args.replot_decode else old.get("decode", [])
     plot(old["rows"], args.plot, decode)
     return
-  hq, hkv, d, di, bs, topk = 64, 4, 128, 128, 128, 16
   rows, result = [], {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
   def save():
@@ -301,65 +347,23 @@ def main():
       print(impl, "check vs reference:", check(impl, 32, 4), flush=True)
   knobs = {}
   if args.select_variants:
-    result["select_variants"], knobs = select_variants(args.select_variants, hkv, di, bs, topk)
+    result["select_variants"], knobs = select_variants(args.select_variants, HKV, DI, BS, TOPK)
     result["select_knobs"] = knobs
-    result["lax_top_k_ms"] = 1e3 * topk_anchor(hkv, args.select_variants, bs, topk)
+    result["lax_top_k_ms"] = 1e3 * topk_anchor(HKV, args.select_variants, BS, TOPK)
     print("lax.top_k alone:", result["lax_top_k_ms"], "ms; fastest tiling", knobs, flush=True)
     save()
   impls = args.impls.split(",") + (["pallas_fp8"] if args.fp8 and "pallas" in args.impls else [])
   for t in [] if args.decode_only else args.seq or [32768]:
-    q, k, v, qi, ki = inputs(jax.random.key(0), t, hq, hkv, d, di, jnp.bfloat16)
-    row = {"T": t}
-    if t <= args.dense_max_t:
-      dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-      t_dense = timeit(dense, q, k, v, warmup=1 if t > 131072 else 2, repeat=3 if t > 131072 else 5)
-      row.update({"cudnn_dense_fwd_ms": 1e3 * t_dense, "cudnn_tflops": 2 * hq * d * t * t / t_dense / 1e12})
-    for impl in impls:
-      base = impl.removesuffix("_fp8")
-      sel = select_fn(base, bs, topk, knobs if base == "pallas" else None, fp8=impl.endswith("_fp8"))
-      att = jax.jit(lambda q, k, v, idx, off=None: msa.sparse_attention(q, k, v, idx, block_size=bs, q_offset=off,
-                                                                        implementation=base))
-      useful = 4 * hq * d * t * topk * bs
-      if args.query_chunk and t > args.query_chunk:
-        t_pre = timeit(lambda *a: chunked(sel, att, *a, args.query_chunk), q, k, v, qi, ki, warmup=1, repeat=3)
-        row.update({f"{impl}_prefill_ms": 1e3 * t_pre, f"{impl}_query_chunk": args.query_chunk})
-      else:
-        t_sel = timeit(sel, qi, ki)
-        idx = sel(qi, ki)
-        t_att = timeit(att, q, k, v, idx)
-        t_pre = t_sel + t_att
-        row.update({f"{impl}_select_ms": 1e3 * t_sel, f"{impl}_sparse_fwd_ms": 1e3 * t_att,
-                    f"{impl}_sparse_tflops": useful / t_att / 1e12, f"{impl}_prefill_ms": 1e3 * t_pre})
-      if "cudnn_dense_fwd_ms" in row:
-        row[f"{impl}_speedup_vs_cudnn"] = row["cudnn_dense_fwd_ms"] / (1e3 * t_pre)
-    if args.topk_anchor and t == 131072:
-      row["lax_top_k_anchor_ms"] = 1e3 * topk_anchor(hkv, t, bs, topk)
-    rows.append(row)
+    rows.append(prefill_row(args, t, impls, knobs))
     result["rows"] = rows
     save()
-    print(json.dumps(row), flush=True)
-    del q, k, v, qi, ki
+    print(json.dumps(rows[-1]), flush=True)
   if args.kl_teachers:
-    result["kl_teachers"] = kl_teacher_times(args.kl_teachers, hq, hkv, d, di, bs, topk,
+    result["kl_teachers"] = kl_teacher_times(args.kl_teachers, HQ, HKV, D, DI, BS, TOPK,
                                              args.kl_teacher_list.split(","))
     save()
-  extra = result.setdefault("train", []), result.setdefault("decode", [])
-  extra = {"train": extra[0], "decode": extra[1]}
-  for impl in args.impls.split(","):
-    for n in args.decode_len:
-      for fp8 in (False, True) if args.fp8 and impl == "pallas" else (False,):
-        t_msa, t_dense = decode_times(impl, args.decode_batch, n, hq, hkv, d, di, bs, topk, fp8=fp8)
-        extra["decode"].append({"impl": impl + ("_fp8_index_cache" if fp8 else ""), "batch": args.decode_batch,
-                                "cached": n, "msa_ms": 1e3 * t_msa, "cudnn_ms": 1e3 * t_dense,
-                                "speedup": t_dense / t_msa})
-        print(json.dumps(extra["decode"][-1]), flush=True)
-        save()
-    for t in args.train_seq:
-      t_msa, t_dense = train_step_times(impl, t, hq, hkv, d, di, bs, topk, knobs if impl == "pallas" else None)
-      extra["train"].append({"impl": impl, "T": t, "msa_step_ms": 1e3 * t_msa, "cudnn_fwd_bwd_ms": 1e3 * t_dense,
-                             "speedup": t_dense / t_msa})
-      print(json.dumps(extra["train"][-1]), flush=True)
-      save()
+  extra = {"train": result.setdefault("train", []), "decode": result.setdefault("decode", [])}
+  decode_and_train(args, knobs, extra, save)
   if args.plot:
     plot(rows, args.plot, extra["decode"])
   for r in rows + extra["train"] + extra["decode"]:

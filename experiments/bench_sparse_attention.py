@@ -1,7 +1,7 @@
 r"""MSA sparse attention on the GPU: correctness of the Pallas kernels on every shape family, then timings at the M3
 shape against the xla implementation, cuDNN dense causal attention and fla-core's NSA selected-attention kernel.
 
-  python experiments/bench_sparse_attention.py --check --seq=32768 --seq=131072 --fla --out=$OUT/bench.json
+  python -m experiments.bench_sparse_attention --check --seq=32768 --seq=131072 --fla --out=$OUT/bench.json
 
 Sections (each appends to the JSON as soon as it finishes, so a run cut short still reports what it measured):
   check   every shape family (G in 1..16, D 64/128, bf16/f32, ragged S, segments, partial rows): Pallas forward and
@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_msa import timeit  # experiments/ is on the path when this file runs as a script
+from experiments.lib.timing import timeit
 from pallas_kernels import msa
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import reference as msa_reference

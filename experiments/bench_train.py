@@ -2,7 +2,7 @@ r"""Training throughput and MFU of a config on the current machine: runs `m3_jax
 summarises tokens/s and MFU from metrics.jsonl (median over logged steps after the first, which includes
 compilation). Prints a table and writes JSON.
 
-  python experiments/bench_train.py --out=/tmp/bench.json \
+  python -m experiments.bench_train --out=/tmp/bench.json \
       --run "dense=configs/small_lm.py:steps=120" --run "moe=configs/small_lm.py:moe=True,steps=80"
 """
 
@@ -14,10 +14,8 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from m3_jax.train.metrics import read_metrics  # noqa: E402
+from experiments.lib import metrics
+from experiments.lib.config import REPO
 
 
 def main():
@@ -40,7 +38,7 @@ def main():
     log = proc.stdout + proc.stderr
     with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), f"{name}.log"), "w") as f:
       f.write(log)
-    rows = [r for r in read_metrics(work) if "tokens_per_sec" in r]
+    rows = [r for r in metrics.read(work) if "tokens_per_sec" in r]
     steady = rows[2:] if len(rows) > 3 else rows[1:]
     res = {"config": config, "extra": extra, "returncode": proc.returncode, "wall_s": wall}
     if steady:

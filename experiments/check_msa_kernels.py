@@ -2,7 +2,7 @@ r"""GPU lowering and correctness of the issue-5 Pallas kernels (`select_blocks`,
 against the `reference` implementations, one shape family at a time (a family that fails to lower is reported,
 the others still run). Matmuls of the reference run at full f32 precision so that they are a fair oracle.
 
-  python experiments/check_msa_kernels.py --out=$OUT/check_msa_kernels.json
+  python -m experiments.check_msa_kernels --out=$OUT/check_msa_kernels.json
 
 Selections are compared exactly (same block ids in the same slots); `rows_equal` is the fraction of (b, group,
 query) rows that agree, `sets_equal` the fraction whose selected sets agree. KL: relative error of the loss and of

@@ -2,25 +2,22 @@ r"""Summarises an MSA training run's metrics.jsonl: KL at the start and end, and
 (attention-mass recall of the learned indexer vs a random selection with the same forced local blocks, block
 recall vs the oracle top blocks) averaged over the last logged steps. Prints a table, writes JSON.
 
-  python experiments/msa_summary.py workdirs/tiny_msa [--last=10]
+  python -m experiments.msa_summary workdirs/tiny_msa [--last=10]
 """
 
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from m3_jax.train.metrics import read_metrics  # noqa: E402
+from experiments.lib import metrics
 
 
 def summarise(workdir: str, last: int = 10) -> dict:
-  rows = [r for r in read_metrics(workdir) if "kl_loss" in r]
-  if not rows:
+  by_step = metrics.rows_by_step(metrics.read(workdir), "kl_loss")  # a resumed run logs some steps twice
+  if not by_step:
     raise SystemExit(f"{workdir}: no training rows in metrics.jsonl")
-  by_step = {r["step"]: r for r in rows}  # a resumed run logs some steps twice: keep the last
   rows = [by_step[s] for s in sorted(by_step)]
   layers = sorted({k.split("/")[1] for k in rows[0] if k.startswith("msa/layer")})
   tail = rows[-last:]

@@ -1,35 +1,34 @@
 r"""Plots a run's metrics.jsonl: train loss, held-out loss per source, learning rate, and for MSA runs the KL and
 the selection's attention-mass recall against a random selection. Writes WORKDIR/plots.png.
 
-  python experiments/plot_run.py workdirs/tiny_lm
-  python experiments/plot_run.py workdirs/tiny_msa --out=/tmp/msa.png
+  python -m experiments.plot_run workdirs/tiny_lm
+  python -m experiments.plot_run workdirs/tiny_msa --out=/tmp/msa.png
 """
 
 import argparse
 import os
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on CI or the GPU box
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from m3_jax.train.metrics import read_metrics  # noqa: E402
+from experiments.lib import metrics  # noqa: E402
 
 
 def series(rows, key):
-  pts = {r["step"]: r[key] for r in rows if r.get(key) is not None}  # a resumed run logs some steps twice
-  steps = sorted(pts)
-  return steps, [pts[s] for s in steps]
+  """(steps, values) of `key`, by step (the last row of a step wins, None values left out)."""
+  pts = metrics.by_step(rows, key, keep_none=False)
+  return [s for s, _ in pts], [v for _, v in pts]
 
 
 def plot(workdir: str, out: str | None = None) -> str:
-  rows = read_metrics(workdir)
+  rows = metrics.read(workdir)
   if not rows:
     raise SystemExit(f"{workdir}: no metrics.jsonl")
   keys = set().union(*rows)
-  sources = sorted({k.split("/")[1] for k in keys if k.startswith("eval/") and k.endswith("/loss") and k.count("/") == 2})
+  sources = sorted({k.split("/")[1] for k in keys
+                    if k.startswith("eval/") and k.endswith("/loss") and k.count("/") == 2})
   msa_layers = sorted({k.split("/")[1] for k in keys if k.startswith("msa/layer")})
   panels = 3 + (2 if msa_layers else 0)
   fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))

@@ -1,15 +1,15 @@
 r"""The max_frames sweep of configs/vit3d_frames.py: held-out caption quality vs vision cost per ViT segment length.
 
   # GPU box (H200), the four settings one after another (~2-3 min each), then the report:
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames
+  python -m experiments.vit3d_frames --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames
   # one setting per command (each resumes or reuses a finished run), then only the report:
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames --settings=4
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames --report_only
+  python -m experiments.vit3d_frames --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames --settings=4
+  python -m experiments.vit3d_frames --size=gpu --data_dir=data --sweep_dir=workdirs/vit3d_frames --report_only
   # then keep report.md, results.json and vit3d_frames.png (the workdirs hold checkpoints) in experiments/results/
   # data for a machine without network: prepare here, copy DATA_DIR without raw/ (~30 MB)
-  python experiments/vit3d_frames.py --size=gpu --data_dir=data --prepare_only
+  python -m experiments.vit3d_frames --size=gpu --data_dir=data --prepare_only
   # CPU smoke (tests/test_vlm_train.py runs this at size=micro):
-  python experiments/vit3d_frames.py --size=micro --settings=1,2 --data_dir=/tmp/d --sweep_dir=/tmp/vit3d
+  python -m experiments.vit3d_frames --size=micro --settings=1,2 --data_dir=/tmp/d --sweep_dir=/tmp/vit3d
 
 Each setting trains in its own workdir (SWEEP_DIR/mf{N}[_s{seed}]) and is evaluated on held-out synthetic clips
 (sprites from the held-out split). Per setting the report gives:
@@ -34,51 +34,27 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import jax
+
+from experiments.lib import metrics, sweep, timing, training
+from experiments.lib.config import add_cache_flag, add_config_flags, config_arg, enable_compilation_cache, load_config
 
 SOURCE = "synthetic_video"
 QUALITY = ("loss", "accuracy", "direction_accuracy", "object_accuracy", "direction_loss", "object_loss")
 
 
 def make_config(size: str, max_frames: int, seed: int, steps: int, data_dir: str, overrides: list[str],
-                config_arg: str = ""):
-  from configs import vit3d_frames  # noqa: PLC0415
-  arg = f"max_frames={max_frames},size={size},seed={seed}" + (f",steps={steps}" if steps else "")
-  arg += f",{config_arg}" if config_arg else ""
-  c = vit3d_frames.get_config(arg)
-  c.data.dir = data_dir
-  for item in overrides:
-    key, eq, value = item.partition("=")
-    if not eq:
-      raise SystemExit(f"--override {item!r}: expected KEY=VALUE, e.g. train.steps=100")
-    node = c
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    old = node[last]
-    node[last] = type(old)(value) if not isinstance(old, bool) else value.lower() in ("1", "true", "yes")
-  return c
-
-
-def final_eval(workdir: str) -> dict:
-  from m3_jax.train.metrics import read_metrics  # noqa: PLC0415
-  rows = [r for r in read_metrics(workdir) if f"eval/{SOURCE}/loss" in r]
-  if not rows:
-    raise RuntimeError(f"{workdir}: metrics.jsonl has no eval/{SOURCE} row")
-  last = max(rows, key=lambda r: r["step"])
-  return {"step": last["step"], **{k.split("/", 2)[2]: v for k, v in last.items() if k.startswith(f"eval/{SOURCE}/")}}
+                extra_arg: str = ""):
+  """configs/vit3d_frames.py at one max_frames setting and seed, with the driver's flags applied."""
+  arg = config_arg(f"max_frames={max_frames},size={size},seed={seed}", f"steps={steps}" if steps else "", extra_arg)
+  return load_config("vit3d_frames", arg, data_dir=data_dir, overrides=overrides)
 
 
 def direction_curve(workdir: str) -> list[tuple[int, float]]:
   """(step, held-out direction accuracy) at every evaluation of the run."""
-  from m3_jax.train.metrics import read_metrics  # noqa: PLC0415
-  key = f"eval/{SOURCE}/direction_accuracy"
-  pts = {r["step"]: r[key] for r in read_metrics(workdir) if key in r}
-  return sorted(pts.items())
+  return metrics.by_step(metrics.read(workdir), f"eval/{SOURCE}/direction_accuracy")
 
 
 def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
@@ -88,8 +64,7 @@ def steps_to(curve: list[tuple[int, float]], level: float) -> int | None:
 
 def train_wall_ms(workdir: str, config) -> float | None:
   """Median wall time per step over the logged intervals after the first (data pipeline included)."""
-  from m3_jax.train.metrics import read_metrics  # noqa: PLC0415
-  rows = [r for r in read_metrics(workdir) if r.get("tokens_per_sec")]
+  rows = [r for r in metrics.read(workdir) if r.get("tokens_per_sec")]
   rows = rows[1:] if len(rows) > 1 else rows
   if not rows:
     return None
@@ -101,62 +76,28 @@ def measure(config, workdir: str, n: int) -> dict:
   """Compiled train-step and tower-forward times on one real batch, from the trained state of `workdir` (the
   step is built as the trainer builds it, so the compilation cache serves it); median of n timed calls after one
   warm-up call."""
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from m3_jax.core import sharding
-  from m3_jax.train import config_lib, trainer  # noqa: PLC0415
-  from m3_jax.train.optimizer import make_optimizer  # noqa: PLC0415
-  from m3_jax.train.steps import make_train_step  # noqa: PLC0415
-  config = config.copy_and_resolve_references()
-  config.data.num_workers = 0  # one batch is enough
-  cfg = config_lib.model_config(config)
-  mesh = sharding.make_mesh(dict(config.mesh))
-  tx, schedule = make_optimizer(config_lib.optim_config(config))
-  graphdef, abstract, state_sh = trainer.abstract_state(cfg, tx, mesh)
-  ckpt = trainer.make_checkpointer(config, workdir)
-  state = ckpt.restore(ckpt.latest_step(), abstract)
-  ckpt.close()
-  batch = trainer.to_global(next(trainer.train_iterator(config)), mesh)
-  step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
-                                 kl_weight=config_lib.text_config(cfg).kl_weight),
-                 in_shardings=(state_sh, sharding.batch_sharding(mesh)), out_shardings=(state_sh, None),
-                 donate_argnums=(0,))
-
-  @jax.jit
-  def tower(params, rest, videos):
-    return nnx.merge(graphdef, params, rest).encode(videos)
-
-  def timed(fn):
-    jax.block_until_ready(fn())
-    out = []
-    for _ in range(n):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      out.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(out)
-
-  with jax.set_mesh(mesh):
-    holder = {"state": state}
+  run = training.restored_train_step(config, workdir)
+  step, batch = run["step"], run["batch"]
+  tower = training.tower_forward(run["graphdef"])
+  with jax.set_mesh(run["mesh"]):
+    holder = {"state": run["state"]}
 
     def one_step():
       holder["state"], m = step(holder["state"], batch)
       return m
 
-    step_ms = timed(one_step)
+    step_ms = 1e3 * timing.timeit(one_step, warmup=1, repeat=n)
     s = holder["state"]
-    tower_ms = timed(lambda: tower(s.params, s.rest, batch["videos"]))
+    tower_ms = 1e3 * timing.timeit(lambda: tower(s.params, s.rest, batch["videos"]), warmup=1, repeat=n)
   return {"step_ms": step_ms, "tower_fwd_ms": tower_ms, "clips_per_batch": int(batch["videos"].shape[0] *
                                                                                batch["videos"].shape[1])}
 
 
 def vision_cost(config) -> dict:
-  from m3_jax.models.multimodal import vision_flops  # noqa: PLC0415
-  from m3_jax.train import config_lib  # noqa: PLC0415
-  cfg = config_lib.model_config(config)
+  cfg = training.model_config(config)
   d, v = config.data.mm, cfg.vision
   f, h, w = int(d.num_frames), int(d.height), int(d.width)
-  total = vision_flops(cfg, f, h, w)
+  total = training.vision_flops(cfg, f, h, w)
   t = f // v.temporal_patch_size
   mf = min(v.max_frames, t)
   return {"vision_gflops_per_clip": total / 1e9, "attention_share": _attention_flops(cfg, f, h, w, mf) / total,
@@ -241,8 +182,7 @@ def verdict(table: dict[int, dict]) -> list[str]:
 def write_report(sweep_dir: str, size: str, table: dict[int, dict], meta: dict) -> tuple[str, str, str]:
   os.makedirs(sweep_dir, exist_ok=True)
   js = os.path.join(sweep_dir, "results.json")
-  with open(js, "w") as f:
-    json.dump({"meta": meta, "settings": {str(k): v for k, v in sorted(table.items())}}, f, indent=2)
+  sweep.write_json(js, {"meta": meta, "settings": {str(k): v for k, v in sorted(table.items())}}, indent=2)
 
   def fmt(x, nd=3):
     return "-" if x is None else f"{x:.{nd}f}"
@@ -330,73 +270,68 @@ def plot(sweep_dir: str, table: dict[int, dict]) -> str:
   return out
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--size", default="cpu", help="micro | cpu | gpu (configs/vit3d_frames.py SIZES)")
   ap.add_argument("--settings", default="1,2,4,8", help="max_frames values")
   ap.add_argument("--seeds", default="0", help="comma-separated training seeds per setting")
-  ap.add_argument("--steps", type=int, default=0, help="train steps (0: the size's default)")
-  ap.add_argument("--data_dir", default=os.path.join(REPO, "data"))
-  ap.add_argument("--sweep_dir", default=os.path.join(REPO, "workdirs", "vit3d_frames"))
-  ap.add_argument("--config_arg", default="", help="more configs/vit3d_frames.py arguments, e.g. attn=cudnn,lr=3e-4")
-  ap.add_argument("--override", action="append", default=[], help="KEY=VALUE on the config, e.g. train.steps=50")
+  add_config_flags(ap, "vit3d_frames", config_arg_example="attn=cudnn,lr=3e-4")
   ap.add_argument("--time_steps", type=int, default=10, help="timed calls per setting (0: skip timing)")
   ap.add_argument("--report_only", action="store_true", help="only read finished workdirs and write the report")
   ap.add_argument("--prepare_only", action="store_true",
                   help="only prepare DATA_DIR (text corpus + the sprite sources), e.g. here before copying it (without "
                        "its raw/ downloads) to a machine without network")
   ap.add_argument("--note", default="", help="a sentence for the report on how the runs were made (e.g. concurrency)")
-  ap.add_argument("--compilation_cache", default="",
-                  help="persistent XLA cache directory ('' = SWEEP_DIR/.jax_cache, 'none' = off): the settings share "
-                       "the init and eval programs, and timing reuses each training step's")
-  a = ap.parse_args(argv)
+  add_cache_flag(ap, shared="the settings share the init and eval programs, and timing reuses each training step's")
+  return ap.parse_args(argv)
 
-  import jax  # noqa: PLC0415
-  from m3_jax.train import trainer  # noqa: PLC0415
+
+def run_setting(a: argparse.Namespace, mf: int, seeds: list[int], sweep_dir: str, timings: dict) -> tuple[list, list]:
+  """Trains (unless --report_only) and reads every seed of max_frames=mf, then times its step (the last seed's run)
+  into `timings`. Returns (per-seed results, their workdirs relative to sweep_dir)."""
+  results, workdirs = [], []
+  for seed in seeds:
+    config = make_config(a.size, mf, seed, a.steps, a.data_dir, a.override, a.config_arg)
+    work = sweep.workdir(sweep_dir, f"mf{mf}", seed if len(seeds) > 1 else None)
+    workdirs.append(os.path.relpath(work, sweep_dir))
+    if not a.report_only:
+      t0 = time.time()
+      training.train(config, work)
+      print(f"[vit3d_frames] max_frames={mf} seed={seed}: trained in {time.time() - t0:.0f}s -> {work}", flush=True)
+    results.append({"seed": seed, "eval": metrics.last_eval(work, SOURCE), "cost": vision_cost(config),
+                    "train_wall_ms": train_wall_ms(work, config), "curve": direction_curve(work)})
+  if not a.report_only and a.time_steps > 0:
+    timings[str(mf)] = measure(config, work, a.time_steps)
+    os.makedirs(sweep_dir, exist_ok=True)
+    sweep.write_json(os.path.join(sweep_dir, "timing.json"), timings, indent=2)
+  for r in results:
+    r.update(timings.get(str(mf), {}))
+  return results, workdirs
+
+
+def main(argv=None):
+  a = parse_args(argv)
   settings = [int(s) for s in a.settings.split(",") if s.strip()]
   seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
   if a.prepare_only:
-    trainer.prepare_data(make_config(a.size, settings[0], seeds[0], a.steps, a.data_dir, a.override, a.config_arg))
+    training.prepare_data(make_config(a.size, settings[0], seeds[0], a.steps, a.data_dir, a.override, a.config_arg))
     return None
   sweep_dir = os.path.abspath(a.sweep_dir)
-  if a.compilation_cache != "none":
-    jax.config.update("jax_compilation_cache_dir", a.compilation_cache or os.path.join(sweep_dir, ".jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  enable_compilation_cache(a.compilation_cache, sweep_dir)
   timing_path = os.path.join(sweep_dir, "timing.json")
-  timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
-  runs: dict[int, list[dict]] = {}
-  workdirs, config = [], None
+  timings = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
+  runs, workdirs = {}, []
   for mf in settings:
-    for seed in seeds:
-      config = make_config(a.size, mf, seed, a.steps, a.data_dir, a.override, a.config_arg)
-      work = os.path.join(sweep_dir, f"mf{mf}" + (f"_s{seed}" if len(seeds) > 1 else ""))
-      workdirs.append(os.path.relpath(work, sweep_dir))
-      if not a.report_only:
-        t0 = time.time()
-        trainer.train_and_evaluate(config, work)
-        print(f"[vit3d_frames] max_frames={mf} seed={seed}: trained in {time.time() - t0:.0f}s -> {work}",
-              flush=True)
-      runs.setdefault(mf, []).append({"seed": seed, "eval": final_eval(work), "cost": vision_cost(config),
-                                      "train_wall_ms": train_wall_ms(work, config),
-                                      "curve": direction_curve(work)})
-    if not a.report_only and a.time_steps > 0:
-      timing[str(mf)] = measure(config, work, a.time_steps)
-      os.makedirs(sweep_dir, exist_ok=True)
-      with open(timing_path, "w") as f:
-        json.dump(timing, f, indent=2)
-    for r in runs[mf]:
-      r.update(timing.get(str(mf), {}))
+    runs[mf], dirs = run_setting(a, mf, seeds, sweep_dir, timings)
+    workdirs += dirs
   table = {mf: aggregate(rs) for mf, rs in runs.items()}
+  config = make_config(a.size, settings[-1], seeds[-1], a.steps, a.data_dir, a.override, a.config_arg)
   d = config.data.mm
   meta = {"size": a.size, "steps": int(config.train.steps), "batch_size": int(config.train.batch_size),
           "seq_len": int(config.train.seq_len), "frames": int(d.num_frames), "height": int(d.height),
           "width": int(d.width), "temporal_patches": table[settings[0]]["temporal_patches"], "seeds": seeds,
-          "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "workdirs": workdirs,
+          "device": sweep.device_description(sweep_dir, a.report_only), "workdirs": workdirs,
           "config_arg": a.config_arg, "overrides": a.override, "note": a.note}
-  old_results = os.path.join(sweep_dir, "results.json")
-  if a.report_only and os.path.exists(old_results):
-    # The report is often rewritten on another machine than the one that trained: keep the training device.
-    meta["device"] = json.load(open(old_results))["meta"].get("device", meta["device"])
   js, md, png = write_report(sweep_dir, a.size, table, meta)
   print(open(md).read())
   print(f"[vit3d_frames] wrote {js}, {md}, {png}")

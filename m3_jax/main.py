@@ -49,14 +49,14 @@ def main(argv):
     aot.fake_devices(int(config.get("aot_devices", 0) or 8))
     aot.compile_report(config, workdir)
     return
-  from m3_jax.train import trainer  # noqa: PLC0415  (after flag parsing: a bad flag fails fast)
+  from m3_jax.train import evaluation, trainer  # noqa: PLC0415  (after flag parsing: a bad flag fails fast)
 
   if _MODE.value == "train":
     trainer.train_and_evaluate(config, workdir)
   elif _MODE.value == "eval":
-    trainer.evaluate(config, workdir, _CHECKPOINT.value)
+    evaluation.evaluate(config, workdir, _CHECKPOINT.value)
   else:
-    trainer.export(config, workdir)
+    evaluation.export(config, workdir)
 
 
 def run() -> None:

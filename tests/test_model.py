@@ -4,13 +4,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from m3_jax.models.config import TextConfig
 from m3_jax.models.layers import apply_rope
 from m3_jax.models.transformer import TextModel
+from tests.model_utils import np_params, randomize
+from tests.oracles import np_forward
 
 
 def tiny_cfg(**kw):
@@ -20,93 +21,6 @@ def tiny_cfg(**kw):
               swiglu_limit=1.5, layer_types=["full_attention"] * 3, mlp_layer_types=["dense", "sparse", "sparse"])
   base.update(kw)
   return TextConfig(**base)
-
-
-def randomize(model, seed=0, std=0.3):
-  """Non-trivial values everywhere (norm scales, router bias) so every term of the formulas is exercised."""
-  state = nnx.state(model)
-  leaves, treedef = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  new = [std * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
-  nnx.update(model, jax.tree.unflatten(treedef, new))
-  return model
-
-
-# ---- float64 numpy oracle (written from the paper / HF semantics, no shared code with the model) -------------
-
-def np_rms(x, w, eps):
-  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * (1 + w)
-
-
-def np_rope(x, pos, rdim, theta):
-  # x [T, H, D]; rotate_half NeoX on the first rdim channels, as HF's apply_rotary_pos_emb.
-  inv = 1.0 / theta ** (np.arange(0, rdim, 2) / rdim)
-  ang = pos[:, None] * inv[None]
-  emb = np.concatenate([ang, ang], -1)
-  cos, sin = np.cos(emb)[:, None], np.sin(emb)[:, None]
-  r = x[..., :rdim]
-  half = np.concatenate([-r[..., rdim // 2:], r[..., :rdim // 2]], -1)
-  return np.concatenate([r * cos + half * sin, x[..., rdim:]], -1)
-
-
-def np_swiglu(g, u, alpha, limit):
-  g = np.minimum(g, limit)
-  u = np.clip(u, -limit, limit)
-  return (u + 1) * g * (1 / (1 + np.exp(-alpha * g)))
-
-
-def np_mlp(x, gate_up, down, cfg):
-  gu = np.einsum("td,dgi->tgi", x, gate_up)
-  return np_swiglu(gu[:, 0], gu[:, 1], cfg.swiglu_alpha, cfg.swiglu_limit) @ down
-
-
-def np_moe(x, p, cfg):
-  out = np.zeros_like(x)
-  for t in range(x.shape[0]):
-    s = 1 / (1 + np.exp(-(x[t] @ p["router"])))
-    chosen = np.argsort(-(s + p["e_score_correction_bias"]), kind="stable")[:cfg.num_experts_per_tok]
-    w = s[chosen] / s[chosen].sum() * cfg.routed_scaling_factor
-    for e, we in zip(chosen, w):
-      out[t] += we * np_mlp(x[t:t + 1], p["gate_up"][e], p["down"][e], cfg)[0]
-  shared = p["shared"]
-  return out + np_mlp(x, shared["gate_up"], shared["down"], cfg)
-
-
-def np_attention(x, p, cfg, pos, seg):
-  t = x.shape[0]
-  q = np.einsum("td,dhk->thk", x, p["q_proj"])
-  k = np.einsum("td,dhk->thk", x, p["k_proj"])
-  v = np.einsum("td,dhk->thk", x, p["v_proj"])
-  q = np_rope(np_rms(q, p["q_norm"]["weight"], cfg.rms_norm_eps), pos, cfg.rotary_dim, cfg.rope_theta)
-  k = np_rope(np_rms(k, p["k_norm"]["weight"], cfg.rms_norm_eps), pos, cfg.rotary_dim, cfg.rope_theta)
-  g = cfg.num_attention_heads // cfg.num_key_value_heads
-  out = np.zeros_like(q)
-  for h in range(cfg.num_attention_heads):
-    for i in range(t):
-      js = [j for j in range(i + 1) if seg[j] == seg[i]]
-      s = np.array([q[i, h] @ k[j, h // g] for j in js]) / np.sqrt(cfg.head_dim)
-      pr = np.exp(s - s.max())
-      pr /= pr.sum()
-      out[i, h] = sum(pj * v[j, h // g] for pj, j in zip(pr, js))
-  return np.einsum("thk,hkd->td", out, p["o_proj"])
-
-
-def np_forward(params, cfg, ids, pos=None, seg=None):
-  t = len(ids)
-  pos = np.arange(t, dtype=np.float64) if pos is None else np.asarray(pos, np.float64)
-  seg = np.ones(t, int) if seg is None else np.asarray(seg)
-  x = params["embed_tokens"][ids]
-  for i, mt in enumerate(cfg.mlp_layer_types):
-    lp = params["layers"][i]
-    x = x + np_attention(np_rms(x, lp["input_layernorm"]["weight"], cfg.rms_norm_eps), lp["self_attn"], cfg, pos,
-                         seg)
-    y = np_rms(x, lp["post_attention_layernorm"]["weight"], cfg.rms_norm_eps)
-    x = x + (np_mlp(y, lp["mlp"]["gate_up"], lp["mlp"]["down"], cfg) if mt == "dense" else np_moe(y, lp["mlp"], cfg))
-  return np_rms(x, params["norm"]["weight"], cfg.rms_norm_eps) @ params["lm_head"]
-
-
-def np_params(model):
-  return jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(model)))
 
 
 # ---- tests ----------------------------------------------------------------------------------------------------
@@ -125,6 +39,7 @@ def test_logits_match_float64_oracle(moe_impl):
   np.testing.assert_allclose(np.asarray(aux["expert_load"]).sum(-1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_packed_segments_equal_separate_sequences():
   cfg = tiny_cfg()
   model = randomize(TextModel(cfg, rngs=nnx.Rngs(1)))
@@ -196,6 +111,36 @@ def test_hf_config_names_round_trip():
   assert cfg.layer_types == ("full_attention", "minimax_m3_sparse")
   assert cfg.mlp_layer_types == ("dense", "sparse")
   assert TextConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_hf_defaults_are_the_text_configs():
+  """config.json resolution (models/hf_config.py) fills omitted fields with HF's class defaults, which must stay the
+  real model's, i.e. TextConfig's."""
+  from m3_jax.models import hf_config  # noqa: PLC0415
+  assert hf_config.HF_DEFAULT_LAYERS == TextConfig.num_hidden_layers
+  assert hf_config.HF_DEFAULT_HEAD_DIM == TextConfig.head_dim
+  assert hf_config.HF_DEFAULT_THETA == TextConfig.rope_theta
+  assert set(hf_config.HF_FIELDS) <= {f.name for f in dataclasses.fields(TextConfig)}
+
+
+def test_param_and_flop_counts_pinned_to_the_closed_form():
+  """A 2-layer model (dense attention + dense MLP, then MSA + MoE), counted by hand."""
+  from m3_jax.models.flops import param_count, train_flops_per_token  # noqa: PLC0415
+  cfg = TextConfig(vocab_size=10, hidden_size=4, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=2, rotary_dim=2, dense_intermediate_size=6, intermediate_size=3,
+                   shared_intermediate_size=5, num_local_experts=4, num_experts_per_tok=2,
+                   layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse"],
+                   index_n_heads=1, index_head_dim=2, index_block_size=4, index_topk_blocks=2)
+  # embed + lm_head + final norm: 2*10*4 + 4 = 84; per layer 2 RMSNorms: 8; attention q 4*2*2 + k, v 2*4*1*2 +
+  # o 2*2*4 + q/k norms 2*2 = 52; MSA indexer q 4*1*2 + k 4*2 + norms 2*2 = 20; dense MLP 3*4*6 = 72;
+  # MoE: 4 experts of 3*4*3 = 36, shared 3*4*5 = 60, router 4*4 + 4 = 20 (active: 2 experts).
+  total = 84 + (8 + 52 + 72) + (8 + 52 + 20 + 4 * 36 + 60 + 20)
+  active = 84 + (8 + 52 + 72) + (8 + 52 + 20 + 2 * 36 + 60 + 20)
+  assert param_count(cfg) == {"total": total, "active": active} == {"total": 520, "active": 448}
+  # 6 x (active - embedding 10*4) + dense scores 6*2*(T/2)*2*2 + MSA scores over min(T/2, 2*4) keys
+  # 6*2*keys*2*2 + index scoring 6*(T/2)*1*2.
+  assert train_flops_per_token(cfg, 16) == 6 * 408 + 6 * 2 * 8 * 4 + (6 * 2 * 8 * 4 + 6 * 8 * 2) == 3312
+  assert train_flops_per_token(cfg, 64) == 6 * 408 + 6 * 2 * 32 * 4 + (6 * 2 * 8 * 4 + 6 * 32 * 2) == 4752
 
 
 def test_capacity_moe_equals_dropless_with_room_and_drops_overflow():

@@ -1,6 +1,5 @@
 """MSA inside the model: dense equivalence, where gradients go, the warmup switch, dense -> MSA conversion."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ from flax import nnx
 from m3_jax.models.config import TextConfig
 from m3_jax.models.transformer import TextModel
 from m3_jax.train.steps import cross_entropy
-from tests.test_model import randomize
+from tests.model_utils import randomize
 
 
 def msa_cfg(**kw):
@@ -45,6 +44,7 @@ def assert_same_logits_and_grads(model_a, model_b):
                                err_msg=str(k))
 
 
+@pytest.mark.slow
 def test_msa_equals_dense_when_everything_is_selected():
   """topk * block_size >= S: the MSA layer is exactly dense GQA attention (outputs and gradients)."""
   cfg = msa_cfg(index_topk_blocks=6)  # 6 * 4 = 24 = S
@@ -122,7 +122,7 @@ def test_warmup_switch_is_dense_then_sparse_without_recompiling():
 def test_dense_to_msa_conversion_copies_the_dense_weights(tmp_path):
   from m3_jax.train import checkpoint as ckpt_lib
   from m3_jax.core import sharding
-  from m3_jax.train import trainer
+  from m3_jax.train import state as state_lib
   from m3_jax.train.optimizer import OptimConfig, make_optimizer
   dense_cfg = msa_cfg(layer_types=["full_attention", "full_attention"])
   dense = randomize(TextModel(dense_cfg, rngs=nnx.Rngs(3)))
@@ -131,9 +131,9 @@ def test_dense_to_msa_conversion_copies_the_dense_weights(tmp_path):
   mesh = sharding.make_mesh({"data": 1})
   tx, _ = make_optimizer(OptimConfig(total_steps=10, warmup_steps=1))
   msa = msa_cfg()
-  _, state, _ = trainer.init_state(msa, tx, mesh, seed=0)
+  _, state, _ = state_lib.init_state(msa, tx, mesh, seed=0)
   fresh_indexer = {k: v.get_value() for k, v in nnx.to_flat_state(state.params) if "indexer" in k}
-  state = trainer.init_from_export(state, path, mesh)
+  state = state_lib.init_from_export(state, path, mesh)
   dense_flat = dict(nnx.to_flat_state(p))
   for k, v in nnx.to_flat_state(state.params):
     if "indexer" in k:
@@ -142,6 +142,7 @@ def test_dense_to_msa_conversion_copies_the_dense_weights(tmp_path):
       np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(dense_flat[k].get_value()))
 
 
+@pytest.mark.slow
 def test_pallas_sparse_attention_in_the_model_matches_xla():
   """msa_impl="pallas" (Pallas interpret mode on the CPU) gives the xla model's logits and gradients, with sparsity
   active (topk * block_size = 8 < S = 24)."""
@@ -152,6 +153,7 @@ def test_pallas_sparse_attention_in_the_model_matches_xla():
   assert_same_logits_and_grads(pallas_model, model)
 
 
+@pytest.mark.slow
 def test_pallas_training_step_with_lse_fusion_matches_xla():
   """A training forward on the Pallas kernels (fused selection, sparse attention returning its LSE, KL reusing it)
   gives the xla model's KL and the same KL and LM gradients; with fp8 index scoring (msa_index_fp8) both pick the

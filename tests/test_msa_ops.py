@@ -1,15 +1,21 @@
-"""MSA ops (pallas_kernels.msa) against float64 numpy oracles.
+"""MSA ops (pallas_kernels.msa): every implementation against the float64 oracles of tests/oracles.py.
 
-One shared test base runs every implementation: "reference", "xla" (through the public API) and "xla_chunked" (the
-XLA implementation forced to small query chunks, so that chunking and query padding are exercised at test sizes).
-The numpy oracles below are written independently of pallas_kernels/msa/reference.py; the selection oracle follows
-the HF transformers MiniMaxM3VLIndexer recipe (+inf on the local blocks, top-k, -inf slots -> -1), extended with the
-packed-sequence mask (key j visible to query t iff j <= q_offset + t and both lie in the same segment).
+One parametrised test base: each test below takes an implementation `impl` and runs it through `call`, so the same
+checks, outputs and VJPs, hold every implementation to the same oracles:
+
+  reference           the pure-jnp definitions (through the API)
+  xla                 the scalable implementation (through the API)
+  xla_chunked         xla forced to chunks of QUERY_CHUNK queries: chunking and query padding at test sizes
+  pallas              the Pallas kernels in interpret mode off the GPU (through the API)
+  pallas_small_tiles  the Pallas attention kernels with PALLAS_SMALL_TILES: multi-step and split-block paths
+
+Each test's `impls` / `impl_cases` decorator names the implementations (and cases) it runs. Interpret-mode Pallas is
+several times slower than xla at these sizes, so it runs the output/VJP checks of each op on a subset of the cases;
+test_msa_pallas.py holds the checks of paths only the Pallas kernels have (KV-outer map, KL teacher variants and LSE
+fusion, split-K and group-folded selection, fp8 index caches).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,185 +23,56 @@ import numpy as np
 import pytest
 
 from pallas_kernels import msa
+from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import xla as msa_xla
+from tests.oracles import (CASES, PALLAS_SMALL_TILES, RAGGED_SEGMENTS, SELECT_CASES, Case, assert_attention_matches,
+                           assert_close, assert_selection, case_id, make_inputs, np_attention, np_kl,
+                           np_select_blocks, np_support)
 
-# float32 ops vs float64 oracles.
-ATOL = RTOL = 1e-5
 # "xla_chunked": chunks of 5 queries, so T=37 gives 8 chunks with 3 padded rows.
 QUERY_CHUNK = 5
+FAST = ("reference", "xla", "xla_chunked")
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# float64 numpy oracles
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def np_causal(T, S, q_offset):
-  return np.arange(S)[None, :] <= (q_offset + np.arange(T))[:, None]  # [T, S]
-
-
-def np_visible(T, S, q_offset, segment_ids=None):
-  """bool [B or 1, T, S]: causal, and (with segment_ids [B, S]) key and query slot in the same segment."""
-  causal = np_causal(T, S, q_offset)[None]
-  if segment_ids is None:
-    return causal
-  seg = np.asarray(segment_ids)
-  q_seg = seg[:, q_offset:q_offset + T]  # [B, T]
-  return causal & (q_seg[:, :, None] == seg[:, None, :])
-
-
-def np_select_blocks(q_idx, k_idx, block_size, topk, local_blocks, q_offset, segment_ids=None):
-  """HF recipe. Returns (block_idx [B, H, T, slots], raw block scores [B, H, T, nb] before the local boost).
-
-  With segments the raw score of a block is the max over its keys of the query's segment (-inf if none); the local
-  blocks still get +inf, so a local block without such a key is still selected, as HF forces it.
-  """
-  q_idx, k_idx = np.float64(q_idx), np.float64(k_idx)
-  B, T, H, _ = q_idx.shape
-  S = k_idx.shape[1]
-  nb = -(-S // block_size)
-  s = np.einsum("bthi,bsi->bhts", q_idx, k_idx)
-  s = np.where(np_visible(T, S, q_offset, segment_ids)[:, None], s, -np.inf)
-  s = np.concatenate([s, np.full(s.shape[:3] + (nb * block_size - S,), -np.inf)], -1)
-  raw = s.reshape(B, H, T, nb, block_size).max(-1)
-  boosted = raw.copy()
-  q_block = (q_offset + np.arange(T)) // block_size
-  for i in range(local_blocks):
-    boosted[:, :, np.arange(T), np.maximum(q_block - i, 0)] = np.inf
-  slots = min(topk, nb)
-  order = np.argsort(-boosted, axis=-1, kind="stable")[..., :slots]
-  top = np.take_along_axis(boosted, order, -1)
-  return np.where(top == -np.inf, -1, order), raw
-
-
-def np_support(block_idx, T, S, block_size, q_offset, segment_ids=None):
-  """bool [B or 1, H or 1, T, S]: visible (causal, same segment), and (if block_idx is given) inside one of the
-  valid selected blocks."""
-  visible = np_visible(T, S, q_offset, segment_ids)[:, None]
-  if block_idx is None:
-    return visible
-  nb = -(-S // block_size)
-  chosen = (np.asarray(block_idx)[..., None] == np.arange(nb)).any(-2)  # [B, H, T, nb]; -1 matches no block
-  return np.repeat(chosen, block_size, axis=-1)[..., :S] & visible
-
-
-def np_softmax(s, mask):
-  s = np.where(mask, s, -np.inf)
-  m = s.max(-1, keepdims=True)
-  m = np.where(np.isfinite(m), m, 0.0)
-  p = np.where(mask, np.exp(s - m), 0.0)
-  total = p.sum(-1, keepdims=True)
-  return p / np.where(total > 0, total, 1.0)
-
-
-def np_attention(q, k, v, support, scale, dout=None):
-  """support [B, Hkv, T, S]. Returns out, or (out, dq, dk, dv) given a cotangent dout."""
-  q, k, v = np.float64(q), np.float64(k), np.float64(v)
-  B, T, Hq, D = q.shape
-  S, Hkv = k.shape[1:3]
-  G = Hq // Hkv
-  mask = np.broadcast_to(np.repeat(np.broadcast_to(support, (B, Hkv, T, S)), G, axis=1), (B, Hq, T, S))
-  kh, vh = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)  # [B, S, Hq, D]
-  p = np_softmax(np.einsum("bthd,bshd->bhts", q, kh) * scale, mask)
-  out = np.einsum("bhts,bshd->bthd", p, vh)
-  if dout is None:
-    return out
-  dout = np.float64(dout)
-  dp = np.einsum("bthd,bshd->bhts", dout, vh)
-  ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-  dq = np.einsum("bhts,bshd->bthd", ds, kh) * scale
-  dk = (np.einsum("bhts,bthd->bshd", ds, q) * scale).reshape(B, S, Hkv, G, D).sum(3)
-  dv = np.einsum("bhts,bthd->bshd", p, dout).reshape(B, S, Hkv, G, D).sum(3)
-  return out, dq, dk, dv
-
-
-def np_kl(q, k, q_idx, k_idx, support, scale, index_scale):
-  """Returns loss, d loss / d q_idx, d loss / d k_idx, d loss / d index_logits [B, Hkv, T, S]."""
-  q, k, q_idx, k_idx = map(np.float64, (q, k, q_idx, k_idx))
-  B, T, Hq, _ = q.shape
-  S, Hkv = k.shape[1:3]
-  G = Hq // Hkv
-  support = np.broadcast_to(support, (B, Hkv, T, S))
-  p_heads = np_softmax(np.einsum("bthd,bshd->bhts", q, np.repeat(k, G, axis=2)) * scale, np.repeat(support, G, 1))
-  teacher = p_heads.reshape(B, Hkv, G, T, S).mean(2)
-  z = np.einsum("bthi,bsi->bhts", q_idx, k_idx) * index_scale
-  student = np_softmax(z, support)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    kl = np.where(teacher > 0, teacher * (np.log(teacher) - np.log(student)), 0.0)
-  n = B * T * Hkv
-  dz = (student - teacher) / n
-  dq_idx = np.einsum("bhts,bsi->bthi", dz, k_idx) * index_scale
-  dk_idx = np.einsum("bhts,bthi->bsi", dz, q_idx) * index_scale
-  return kl.sum() / n, dq_idx, dk_idx, dz
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Cases and helpers
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  name: str
-  B: int
-  T: int
-  S: int
-  Hq: int
-  Hkv: int
-  D: int
-  block_size: int
-  topk: int
-  local_blocks: int = 1
-  q_offset: int | None = None
-  d_idx: int = 8
-
-  @property
-  def offset(self):
-    return self.S - self.T if self.q_offset is None else self.q_offset
-
-  @property
-  def num_blocks(self):
-    return -(-self.S // self.block_size)
-
-
-CASES = [
-    Case("gqa2", B=2, T=40, S=40, Hq=4, Hkv=2, D=16, block_size=8, topk=3),
-    Case("ragged_g4_chunks", B=1, T=37, S=37, Hq=4, Hkv=1, D=16, block_size=8, topk=2),
-    Case("prefill_chunk_g1", B=1, T=12, S=50, Hq=2, Hkv=2, D=8, block_size=8, topk=3, local_blocks=2),
-    Case("decode", B=2, T=1, S=45, Hq=4, Hkv=2, D=8, block_size=4, topk=3),
-    Case("explicit_q_offset", B=1, T=10, S=40, Hq=2, Hkv=1, D=8, block_size=8, topk=2, q_offset=17),
-]
-SELECT_CASES = CASES + [
-    Case("topk_gt_blocks", B=1, T=20, S=20, Hq=2, Hkv=2, D=8, block_size=8, topk=10),
-    Case("no_local", B=1, T=30, S=30, Hq=2, Hkv=2, D=8, block_size=8, topk=2, local_blocks=0),
-    Case("all_local", B=1, T=30, S=30, Hq=3, Hkv=3, D=8, block_size=4, topk=3, local_blocks=3),
-    Case("local_gt_blocks", B=1, T=10, S=10, Hq=1, Hkv=1, D=8, block_size=8, topk=4, local_blocks=3),
-]
 DENSE_CASES = [
     Case("dense_g2_ragged", B=1, T=33, S=33, Hq=4, Hkv=2, D=8, block_size=8, topk=8),
     Case("dense_prefill_g4", B=2, T=9, S=30, Hq=4, Hkv=1, D=8, block_size=4, topk=8),
 ]
-IDS = lambda c: c.name  # noqa: E731
 
 # Packed sequences. Every row of PACK holds two documents of DOC slots each, whose boundary falls on a block boundary,
 # so each document's blocks are exactly the blocks of that document run alone (blocks are anchored to absolute slots).
-# local_blocks=2: the first block of the second document still forces the first document's last block.
+# local_blocks=2: the first block of the second document still forces the first document's last block. The general
+# case (boundaries inside blocks) is RAGGED_SEGMENTS, checked against the oracle only.
 PACK = Case("packed", B=2, T=32, S=32, Hq=4, Hkv=2, D=8, block_size=4, topk=3, local_blocks=2)
 DOC = 16
 # Ids need not be sorted or contiguous across rows: only equality matters.
 PACK_SEGMENTS = np.array([[0] * DOC + [1] * DOC, [3] * DOC + [2] * DOC], np.int32)
-# The general case: boundaries inside blocks, three documents in row 0 (checked against the oracle only).
-RAGGED_SEGMENTS = np.array([[0] * 5 + [1] * 14 + [2] * 13, [4] * 11 + [9] * 21], np.int32)
 
 # Decoding against a cache buffer of S slots of which only the first q_offset + T are written.
 BUFFER = dict(B=2, S=24, Hq=4, Hkv=2, D=8, block_size=4, topk=3, local_blocks=2)
 
 
-def make_inputs(c: Case, seed: int = 0):
-  rng = np.random.default_rng(seed)
-  f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-  return dict(q=f(c.B, c.T, c.Hq, c.D), k=f(c.B, c.S, c.Hkv, c.D), v=f(c.B, c.S, c.Hkv, c.D),
-              q_idx=f(c.B, c.T, c.Hkv, c.d_idx), k_idx=f(c.B, c.S, c.d_idx), dout=f(c.B, c.T, c.Hq, c.D))
+def call(impl: str, op: str, *args, query_chunk: int = QUERY_CHUNK, **kwargs):
+  """The op `op` ("select_blocks", "sparse_attention", "kl_loss", "sparse_decode") of implementation `impl`;
+  `query_chunk` only applies to xla_chunked."""
+  if impl == "xla_chunked":
+    return getattr(msa_xla, op)(*args, query_chunk=query_chunk, **kwargs)
+  if impl == "pallas_small_tiles":
+    if op != "sparse_attention":
+      raise ValueError(f"op={op!r}: pallas_small_tiles implements sparse_attention only")
+    return msa_pallas.sparse_attention(*args, **PALLAS_SMALL_TILES, **kwargs)
+  return getattr(msa, op)(*args, implementation=impl, **kwargs)
+
+
+def impls(*names: str):
+  """Parametrises `impl` over the named implementations: @impls(*FAST, "pallas")."""
+  return pytest.mark.parametrize("impl", names)
+
+
+def impl_cases(cases: list[Case], **more: list[Case]):
+  """Parametrises `impl, c`: each FAST implementation on every case of `cases`, and each implementation named in
+  `more` on its own case list (interpret-mode Pallas runs a subset): @impl_cases(CASES, pallas=CASES[:3])."""
+  pairs = [(i, c) for i in FAST for c in cases] + [(i, c) for i, cs in more.items() for c in cs]
+  return pytest.mark.parametrize("impl,c", [pytest.param(i, c, id=f"{i}-{case_id(c)}") for i, c in pairs])
 
 
 def doc_inputs(x, lo, hi):
@@ -224,347 +101,334 @@ def buffer_inputs(c: Case, seed: int = 0):
   return x
 
 
-def assert_close(actual, expected, what, atol=ATOL, rtol=RTOL):
-  np.testing.assert_allclose(np.asarray(actual, np.float64), expected, atol=atol, rtol=rtol, err_msg=what)
+def oracle_selection(x, c: Case, segment_ids=None) -> np.ndarray:
+  """int32 [B, Hkv, T, slots]: the oracle's selection for the inputs x of case c."""
+  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset, segment_ids)
+  return sel.astype(np.int32)
 
 
-def assert_selection(sel, oracle_sel, raw, c: Case, gap_tol=1e-5):
-  """Selection contract, plus equality with the oracle as sets.
-
-  Where the oracle's last chosen and first rejected non-local blocks score within `gap_tol` (f32 vs f64 rounding can
-  flip them), any choice that is a top-k within `gap_tol` of the oracle's scores is accepted instead.
-  """
-  sel = np.asarray(sel)
-  slots = min(c.topk, c.num_blocks)
-  assert sel.shape == (c.B, c.Hkv, c.T, slots) and sel.dtype == np.int32, (sel.shape, sel.dtype)
-  q_block = (c.offset + np.arange(c.T)) // c.block_size
-  for b in range(c.B):
-    for h in range(c.Hkv):
-      for t in range(c.T):
-        row, want = sel[b, h, t], oracle_sel[b, h, t]
-        where = f"b={b} h={h} t={t} row={row.tolist()} oracle={want.tolist()}"
-        valid = row[row >= 0]
-        n_valid = len(valid)
-        assert (row[:n_valid] >= 0).all() and (row[n_valid:] == -1).all(), f"-1 padding not at the end: {where}"
-        assert len(set(valid.tolist())) == n_valid, f"duplicate blocks: {where}"
-        assert (valid <= q_block[t]).all(), f"future block selected: {where}"
-        assert n_valid == (want >= 0).sum(), f"wrong number of valid blocks: {where}"
-        n_local = min(c.local_blocks, q_block[t] + 1, slots)
-        np.testing.assert_array_equal(valid[:n_local], q_block[t] - np.arange(n_local), f"local blocks: {where}")
-        rest = raw[b, h, t, valid[n_local:]]
-        assert (np.diff(rest) <= gap_tol).all(), f"non-local blocks not by descending score: {where}"
-        if set(valid.tolist()) == set(want[want >= 0].tolist()):
-          continue
-        rejected = np.setdiff1d(np.flatnonzero(raw[b, h, t] > -np.inf), valid)
-        assert rest.min() >= raw[b, h, t, rejected].max() - gap_tol, f"selection differs from the oracle: {where}"
+def attention_vjp(impl, x, block_idx, **kwargs):
+  """(out, dq, dk, dv) of `impl`'s sparse_attention for the cotangent x['dout']."""
+  f = lambda q, k, v: call(impl, "sparse_attention", q, k, v, block_idx, **kwargs)  # noqa: E731
+  out, vjp = jax.vjp(f, x["q"], x["k"], x["v"])
+  return (out, *vjp(jnp.asarray(x["dout"])))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Shared test base: every implementation runs the same tests
+# select_blocks
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class _MsaOpsTestBase:
-  IMPL: str
+@impl_cases(SELECT_CASES, pallas=SELECT_CASES)
+def test_select_blocks_matches_oracle(impl, c):
+  x = make_inputs(c)
+  sel = call(impl, "select_blocks", x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk,
+             local_blocks=c.local_blocks, q_offset=c.q_offset)
+  oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
+  assert_selection(sel, oracle, raw, c)
 
-  def call(self, name, *args, query_chunk=QUERY_CHUNK, **kwargs):
-    """The op `name` of this implementation; `query_chunk` only applies to xla_chunked."""
-    if self.IMPL == "xla_chunked":
-      return getattr(msa_xla, name)(*args, query_chunk=query_chunk, **kwargs)
-    return getattr(msa, name)(*args, implementation=self.IMPL, **kwargs)
 
-  # -- select_blocks --------------------------------------------------------------------------------------------------
+@impls(*FAST)
+def test_select_blocks_per_group(impl):
+  # Group 1 gets the negated index query: its preferred blocks are the opposite of group 0's, so any sharing of
+  # one selection across groups shows up.
+  c = Case("groups", B=1, T=24, S=48, Hq=2, Hkv=2, D=8, block_size=4, topk=3)
+  x = make_inputs(c)
+  q_idx = np.stack([x["q_idx"][:, :, 0], -x["q_idx"][:, :, 0]], axis=2)
+  sel = np.asarray(call(impl, "select_blocks", q_idx, x["k_idx"], block_size=c.block_size, topk=c.topk))
+  oracle, raw = np_select_blocks(q_idx, x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
+  assert_selection(sel, oracle, raw, c)
+  assert (np.sort(sel[:, 0], -1) != np.sort(sel[:, 1], -1)).any(-1).mean() > 0.5
 
-  @pytest.mark.parametrize("c", SELECT_CASES, ids=IDS)
-  def test_select_blocks_matches_oracle(self, c):
-    x = make_inputs(c)
-    sel = self.call("select_blocks", x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk,
-                    local_blocks=c.local_blocks, q_offset=c.q_offset)
-    oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
-    assert_selection(sel, oracle, raw, c)
 
-  def test_select_blocks_per_group(self):
-    # Group 1 gets the negated index query: its preferred blocks are the opposite of group 0's, so any sharing of
-    # one selection across groups shows up.
-    c = Case("groups", B=1, T=24, S=48, Hq=2, Hkv=2, D=8, block_size=4, topk=3)
-    x = make_inputs(c)
-    q_idx = np.stack([x["q_idx"][:, :, 0], -x["q_idx"][:, :, 0]], axis=2)
-    sel = np.asarray(self.call("select_blocks", q_idx, x["k_idx"], block_size=c.block_size, topk=c.topk))
-    oracle, raw = np_select_blocks(q_idx, x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
-    assert_selection(sel, oracle, raw, c)
-    assert (np.sort(sel[:, 0], -1) != np.sort(sel[:, 1], -1)).any(-1).mean() > 0.5
+# ---------------------------------------------------------------------------------------------------------------------
+# sparse_attention
+# ---------------------------------------------------------------------------------------------------------------------
 
-  # -- sparse_attention -----------------------------------------------------------------------------------------------
 
-  @pytest.mark.parametrize("c", CASES, ids=IDS)
-  def test_sparse_attention_output_and_vjp(self, c):
-    x = make_inputs(c)
-    block_idx, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
+@impl_cases(CASES, pallas=CASES[:3], pallas_small_tiles=CASES[:3])
+def test_sparse_attention_output_and_vjp(impl, c):
+  x = make_inputs(c)
+  block_idx = oracle_selection(x, c)
+  got = attention_vjp(impl, x, block_idx, block_size=c.block_size, q_offset=c.q_offset)
+  assert got[0].shape == (c.B, c.T, c.Hq, c.D) and got[0].dtype == jnp.float32
+  assert_attention_matches(got, x, np_support(block_idx, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
+
+
+@impls(*FAST, "pallas_small_tiles")
+def test_sparse_attention_ignores_empty_and_repeated_slots(impl):
+  # Arbitrary slot order, -1 anywhere, repeated ids (count once), rows with no block at all (output 0, gradient 0),
+  # a custom scale.
+  c = Case("messy", B=1, T=37, S=37, Hq=4, Hkv=2, D=8, block_size=8, topk=5)
+  x = make_inputs(c)
+  rng = np.random.default_rng(1)
+  block_idx = rng.integers(-1, c.num_blocks, size=(c.B, c.Hkv, c.T, 6)).astype(np.int32)
+  block_idx[:, :, ::7] = -1
+  got = attention_vjp(impl, x, block_idx, block_size=c.block_size, scale=0.3)
+  assert_attention_matches(got, x, np_support(block_idx, c.T, c.S, c.block_size, 0), 0.3)
+  assert not np.asarray(got[0])[0, ::7].any()
+
+
+@impl_cases(DENSE_CASES)
+def test_sparse_attention_equals_dense_when_all_blocks_fit(impl, c):
+  # topk * block_size >= S: the selection holds every visible block, so MSA must be plain causal GQA.
+  x = make_inputs(c)
+  block_idx = call(impl, "select_blocks", x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk,
+                   q_offset=c.q_offset)
+  assert block_idx.shape[-1] == c.num_blocks
+  got = attention_vjp(impl, x, block_idx, block_size=c.block_size, q_offset=c.q_offset)
+  assert_attention_matches(got, x, np_support(None, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
+
+
+@impls(*FAST)
+def test_sparse_attention_bf16(impl):
+  c = CASES[0]
+  x = make_inputs(c)
+  block_idx = oracle_selection(x, c)
+  q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in "qkv")
+  out = call(impl, "sparse_attention", q, k, v, block_idx, block_size=c.block_size)
+  assert out.dtype == jnp.bfloat16
+  want = np_attention(np.float32(q), np.float32(k), np.float32(v),
+                      np_support(block_idx, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
+  # Inputs are exactly the bf16 values; the only extra error is rounding the f32 result to bf16 (2^-8 relative).
+  assert_close(out, want, "bf16 out", atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kl_loss
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_warmup"])
+@impl_cases(CASES[:4], pallas=CASES[:1])
+def test_kl_loss_value_and_grads(impl, c, dense):
+  x = make_inputs(c)
+  block_idx = None if dense else oracle_selection(x, c)
+  scale, index_scale = 0.4, 0.5
+  f = lambda q, k, qi, ki: call(impl, "kl_loss", q, k, qi, ki, block_idx, block_size=c.block_size,  # noqa: E731
+                                scale=scale, index_scale=index_scale, q_offset=c.q_offset)
+  loss, (dq, dk, dqi, dki) = jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x["q"], x["k"], x["q_idx"], x["k_idx"])
+  support = np_support(block_idx, c.T, c.S, c.block_size, c.offset)
+  want_loss, want_dqi, want_dki, _ = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], support, scale, index_scale)
+  assert loss.shape == () and loss.dtype == jnp.float32
+  assert_close(loss, want_loss, "loss")
+  assert_close(dqi, want_dqi, "d q_idx")
+  assert_close(dki, want_dki, "d k_idx")
+  assert not np.asarray(dq).any() and not np.asarray(dk).any(), "the teacher (q, k) must get no gradient"
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_warmup"])
+@impls(*FAST)
+def test_kl_loss_gradient_wrt_index_scores_is_p_idx_minus_p(impl, dense):
+  # With k_idx = identity (d_idx = S) the index logits are z[b, g, t, j] = index_scale * q_idx[b, t, g, j], so
+  # d loss / d q_idx is index_scale times the gradient w.r.t. the logits: it must be (P_idx - P) / (B * T * Hkv).
+  c = Case("identity", B=2, T=21, S=29, Hq=4, Hkv=2, D=8, block_size=4, topk=3, d_idx=29)
+  x = make_inputs(c)
+  k_idx = np.broadcast_to(np.eye(c.S, dtype=np.float32), (c.B, c.S, c.S)).copy()
+  block_idx = None
+  if not dense:
+    block_idx, _ = np_select_blocks(x["q_idx"], k_idx, c.block_size, c.topk, c.local_blocks, c.offset)
     block_idx = block_idx.astype(np.int32)
-    f = lambda q, k, v: self.call("sparse_attention", q, k, v, block_idx, block_size=c.block_size,  # noqa: E731
-                                  q_offset=c.q_offset)
-    out, vjp = jax.vjp(f, x["q"], x["k"], x["v"])
-    dq, dk, dv = vjp(jnp.asarray(x["dout"]))
-    support = np_support(block_idx, c.T, c.S, c.block_size, c.offset)
-    want = np_attention(x["q"], x["k"], x["v"], support, c.D ** -0.5, x["dout"])
-    assert out.shape == (c.B, c.T, c.Hq, c.D) and out.dtype == jnp.float32
-    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
-      assert_close(got, exp, name)
-
-  def test_sparse_attention_ignores_empty_and_repeated_slots(self):
-    # Arbitrary slot order, -1 anywhere, repeated ids, and rows with no block at all (output 0, gradient 0).
-    c = Case("messy", B=1, T=37, S=37, Hq=4, Hkv=2, D=8, block_size=8, topk=5)
-    x = make_inputs(c)
-    rng = np.random.default_rng(1)
-    block_idx = rng.integers(-1, c.num_blocks, size=(c.B, c.Hkv, c.T, 6)).astype(np.int32)
-    block_idx[:, :, ::7] = -1
-    scale = 0.3
-    f = lambda q, k, v: self.call("sparse_attention", q, k, v, block_idx, block_size=c.block_size,  # noqa: E731
-                                  scale=scale)
-    out, vjp = jax.vjp(f, x["q"], x["k"], x["v"])
-    grads = vjp(jnp.asarray(x["dout"]))
-    want = np_attention(x["q"], x["k"], x["v"], np_support(block_idx, c.T, c.S, c.block_size, 0), scale, x["dout"])
-    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
-      assert_close(got, exp, name)
-    assert not np.asarray(out)[0, ::7].any()
-
-  @pytest.mark.parametrize("c", DENSE_CASES, ids=IDS)
-  def test_sparse_attention_equals_dense_when_all_blocks_fit(self, c):
-    # topk * block_size >= S: the selection holds every visible block, so MSA must be plain causal GQA.
-    x = make_inputs(c)
-    block_idx = self.call("select_blocks", x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk,
-                          q_offset=c.q_offset)
-    assert block_idx.shape[-1] == c.num_blocks
-    f = lambda q, k, v: self.call("sparse_attention", q, k, v, block_idx, block_size=c.block_size,  # noqa: E731
-                                  q_offset=c.q_offset)
-    out, vjp = jax.vjp(f, x["q"], x["k"], x["v"])
-    grads = vjp(jnp.asarray(x["dout"]))
-    want = np_attention(x["q"], x["k"], x["v"], np_support(None, c.T, c.S, c.block_size, c.offset), c.D ** -0.5,
-                        x["dout"])
-    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
-      assert_close(got, exp, name)
-
-  def test_sparse_attention_bf16(self):
-    c = CASES[0]
-    x = make_inputs(c)
-    block_idx, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
-    q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in "qkv")
-    out = self.call("sparse_attention", q, k, v, block_idx.astype(np.int32), block_size=c.block_size)
-    assert out.dtype == jnp.bfloat16
-    want = np_attention(np.float32(q), np.float32(k), np.float32(v),
-                        np_support(block_idx, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
-    # Inputs are exactly the bf16 values; the only extra error is rounding the f32 result to bf16 (2^-8 relative).
-    assert_close(out, want, "bf16 out", atol=1e-2, rtol=1e-2)
-
-  # -- kl_loss --------------------------------------------------------------------------------------------------------
-
-  @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_warmup"])
-  @pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[2], CASES[3]], ids=IDS)
-  def test_kl_loss_value_and_grads(self, c, dense):
-    x = make_inputs(c)
-    block_idx = None
-    if not dense:
-      block_idx, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
-      block_idx = block_idx.astype(np.int32)
-    scale, index_scale = 0.4, 0.5
-    f = lambda q, k, qi, ki: self.call("kl_loss", q, k, qi, ki, block_idx, block_size=c.block_size,  # noqa: E731
-                                       scale=scale, index_scale=index_scale, q_offset=c.q_offset)
-    loss, (dq, dk, dqi, dki) = jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x["q"], x["k"], x["q_idx"], x["k_idx"])
-    support = np_support(block_idx, c.T, c.S, c.block_size, c.offset)
-    want_loss, want_dqi, want_dki, _ = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], support, scale, index_scale)
-    assert loss.shape == () and loss.dtype == jnp.float32
-    assert_close(loss, want_loss, "loss")
-    assert_close(dqi, want_dqi, "d q_idx")
-    assert_close(dki, want_dki, "d k_idx")
-    assert not np.asarray(dq).any() and not np.asarray(dk).any(), "the teacher (q, k) must get no gradient"
-
-  @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_warmup"])
-  def test_kl_loss_gradient_wrt_index_scores_is_p_idx_minus_p(self, dense):
-    # With k_idx = identity (d_idx = S) the index logits are z[b, g, t, j] = index_scale * q_idx[b, t, g, j], so
-    # d loss / d q_idx is index_scale times the gradient w.r.t. the logits: it must be (P_idx - P) / (B * T * Hkv).
-    c = Case("identity", B=2, T=21, S=29, Hq=4, Hkv=2, D=8, block_size=4, topk=3, d_idx=29)
-    x = make_inputs(c)
-    k_idx = np.broadcast_to(np.eye(c.S, dtype=np.float32), (c.B, c.S, c.S)).copy()
-    block_idx = None
-    if not dense:
-      block_idx, _ = np_select_blocks(x["q_idx"], k_idx, c.block_size, c.topk, c.local_blocks, c.offset)
-      block_idx = block_idx.astype(np.int32)
-    index_scale = 0.7
-    f = lambda qi: self.call("kl_loss", x["q"], x["k"], qi, k_idx, block_idx, block_size=c.block_size,  # noqa: E731
-                             index_scale=index_scale)
-    dqi = jax.grad(f)(x["q_idx"])
-    support = np_support(block_idx, c.T, c.S, c.block_size, c.offset)
-    *_, want_dz = np_kl(x["q"], x["k"], x["q_idx"], k_idx, support, c.D ** -0.5, index_scale)
-    got_dz = np.asarray(dqi, np.float64).transpose(0, 2, 1, 3) / index_scale  # [B, Hkv, T, S]
-    # Entries are O(1 / N) = O(1e-2): the absolute tolerance scales with them.
-    assert_close(got_dz, want_dz, "d loss / d index logits", atol=1e-7)
-    assert not got_dz[~np.broadcast_to(support, got_dz.shape)].any(), "gradient outside the support"
-
-  def test_kl_loss_all_blocks_equals_dense_warmup(self):
-    c = DENSE_CASES[0]
-    x = make_inputs(c)
-    block_idx = self.call("select_blocks", x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk)
-    sparse = self.call("kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], block_idx, block_size=c.block_size)
-    dense = self.call("kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], None, block_size=c.block_size)
-    assert_close(sparse, float(dense), "sparse kl with every block vs dense kl")
-
-  # -- packed sequences (segment_ids) ---------------------------------------------------------------------------------
-  # Each op: the packed batch equals its documents run alone (PACK_SEGMENTS), and the general case (RAGGED_SEGMENTS)
-  # equals the oracle. Forward and backward run in one jit per case: compiling them separately costs ~1.7x the time.
-
-  def test_select_blocks_segments(self):
-    c = PACK
-    x = make_inputs(c, seed=2)
-    opts = dict(block_size=c.block_size, topk=c.topk, local_blocks=c.local_blocks)
-    sel = np.asarray(self.call("select_blocks", x["q_idx"], x["k_idx"], segment_ids=PACK_SEGMENTS, **opts))
-    for lo in (0, DOC):
-      d = doc_inputs(x, lo, lo + DOC)
-      alone = np.asarray(self.call("select_blocks", d["q_idx"], d["k_idx"], **opts))
-      got = to_document(sel[:, :, lo:lo + DOC], lo // c.block_size, DOC // c.block_size)
-      np.testing.assert_array_equal(got, alone, f"document at slot {lo}")
-    # The second document's first block still forces the first document's last block (HF's local-block rule).
-    assert (sel[:, :, DOC:DOC + c.block_size, 1] == DOC // c.block_size - 1).all()
-
-    sel = self.call("select_blocks", x["q_idx"], x["k_idx"], segment_ids=RAGGED_SEGMENTS, **opts)
-    oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset,
-                                   RAGGED_SEGMENTS)
-    assert_selection(sel, oracle, raw, c)
-    # Non-local blocks are chosen only if they hold a key of the query's segment.
-    sel = np.asarray(sel)
-    n_local = np.minimum(c.local_blocks, np.arange(c.T) // c.block_size + 1)[None, None, :, None]
-    rest = (sel >= 0) & (np.arange(sel.shape[-1]) >= n_local)
-    assert (np.take_along_axis(raw, np.maximum(sel, 0), -1)[rest] > -np.inf).all()
-
-  def test_sparse_attention_segments(self):
-    c = PACK
-    x = make_inputs(c, seed=4)
-
-    @jax.jit
-    def fwd_bwd(q, k, v, dout, block_idx, segment_ids=None):
-      out, vjp = jax.vjp(lambda q, k, v: self.call("sparse_attention", q, k, v, block_idx, block_size=c.block_size,
-                                                   segment_ids=segment_ids), q, k, v)
-      return (out, *vjp(dout))
-
-    args = [x[n] for n in ("q", "k", "v", "dout")]
-    block_idx = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset,
-                                 PACK_SEGMENTS)[0].astype(np.int32)
-    packed = fwd_bwd(*args, block_idx, PACK_SEGMENTS)
-    for lo in (0, DOC):
-      d = doc_inputs(x, lo, lo + DOC)
-      idx = to_document(block_idx[:, :, lo:lo + DOC], lo // c.block_size, DOC // c.block_size).astype(np.int32)
-      alone = fwd_bwd(*[d[n] for n in ("q", "k", "v", "dout")], idx)
-      for name, got, exp in zip(("out", "dq", "dk", "dv"), packed, alone):
-        assert_close(np.asarray(got)[:, lo:lo + DOC], np.asarray(exp, np.float64), f"{name} of document at {lo}")
-
-    block_idx = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset,
-                                 RAGGED_SEGMENTS)[0].astype(np.int32)
-    got = fwd_bwd(*args, block_idx, RAGGED_SEGMENTS)
-    support = np_support(block_idx, c.T, c.S, c.block_size, c.offset, RAGGED_SEGMENTS)
-    want = np_attention(x["q"], x["k"], x["v"], support, c.D ** -0.5, x["dout"])
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-      assert_close(g, w, f"{name} (ragged segments)")
-
-  @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_warmup"])
-  def test_kl_loss_segments(self, dense):
-    c = PACK
-    x = make_inputs(c, seed=6)
-
-    @jax.jit
-    def value_and_grads(q, k, q_idx, k_idx, block_idx, segment_ids=None):
-      f = lambda qi, ki: self.call("kl_loss", q, k, qi, ki, block_idx, block_size=c.block_size,  # noqa: E731
-                                   segment_ids=segment_ids)
-      return jax.value_and_grad(f, argnums=(0, 1))(q_idx, k_idx)
-
-    def selection(segment_ids):
-      if dense:
-        return None
-      return np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset,
-                              segment_ids)[0].astype(np.int32)
-
-    # The loss is a mean over (b, t, group) rows: the packed loss is the mean of the two documents' losses, and each
-    # document's gradients are its alone gradients over 2 (twice as many rows share the mean).
-    block_idx = selection(PACK_SEGMENTS)
-    loss, (dqi, dki) = value_and_grads(x["q"], x["k"], x["q_idx"], x["k_idx"], block_idx, PACK_SEGMENTS)
-    losses = []
-    for lo in (0, DOC):
-      d = doc_inputs(x, lo, lo + DOC)
-      idx = None if dense else to_document(block_idx[:, :, lo:lo + DOC], lo // c.block_size,
-                                           DOC // c.block_size).astype(np.int32)
-      loss_d, (dqi_d, dki_d) = value_and_grads(d["q"], d["k"], d["q_idx"], d["k_idx"], idx)
-      losses.append(float(loss_d))
-      assert_close(np.asarray(dqi)[:, lo:lo + DOC], np.asarray(dqi_d, np.float64) / 2, f"d q_idx of document at {lo}")
-      assert_close(np.asarray(dki)[:, lo:lo + DOC], np.asarray(dki_d, np.float64) / 2, f"d k_idx of document at {lo}")
-    assert_close(loss, np.mean(losses), "packed loss vs mean of the documents' losses")
-
-    block_idx = selection(RAGGED_SEGMENTS)
-    loss, (dqi, dki) = value_and_grads(x["q"], x["k"], x["q_idx"], x["k_idx"], block_idx, RAGGED_SEGMENTS)
-    support = np_support(block_idx, c.T, c.S, c.block_size, c.offset, RAGGED_SEGMENTS)
-    want_loss, want_dqi, want_dki, _ = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], support, c.D ** -0.5,
-                                             c.d_idx ** -0.5)
-    assert_close(loss, want_loss, "loss (ragged segments)")
-    assert_close(dqi, want_dqi, "d q_idx (ragged segments)")
-    assert_close(dki, want_dki, "d k_idx (ragged segments)")
-
-  # -- traced q_offset (decoding inside a jitted loop) ----------------------------------------------------------------
-
-  @pytest.mark.parametrize("T,segmented", [(1, False), (4, True)], ids=["decode", "chunked_prefill_segments"])
-  def test_traced_q_offset_equals_int_offset(self, T, segmented):
-    # One jitted function serves every offset; at each offset it must equal the oracle, with the unwritten (future)
-    # tail of the buffer invisible, and at two of them also the static-int result (each int offset compiles anew).
-    chunk = 3  # xla_chunked: T=4 -> two chunks of 3 rows, the last one padded, each at a traced start
-    seg = {"segment_ids": np.array([[0] * 10 + [1] * 14, [2] * 3 + [5] * 21], np.int32)} if segmented else {}
-    segment_ids = seg.get("segment_ids")
-
-    def ops(x, off):
-      opts = dict(block_size=BUFFER["block_size"], q_offset=off, query_chunk=chunk, **seg)
-      sel = self.call("select_blocks", x["q_idx"], x["k_idx"], topk=BUFFER["topk"],
-                      local_blocks=BUFFER["local_blocks"], **opts)
-      out = self.call("sparse_attention", x["q"], x["k"], x["v"], sel, **opts)
-      kl = self.call("kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], sel, **opts)
-      kl_dense = self.call("kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], None, **opts)
-      return sel, out, kl, kl_dense
-
-    traced = jax.jit(ops)
-    static = jax.jit(ops, static_argnums=1)  # q_offset a Python int: the static path of every op
-    for i, n in enumerate((0, 7, 13) if T > 1 else (0, 6, 17)):
-      c = Case(f"buffer_{n}", T=T, q_offset=n, **BUFFER)
-      x = buffer_inputs(c, seed=n)
-      sel, out, kl, kl_dense = traced(x, jnp.int32(n))
-      if i < 2:
-        want = static(x, n)
-        np.testing.assert_array_equal(sel, want[0], f"selection at q_offset={n}")
-        for name, got, exp in zip(("out", "kl", "kl_dense"), (out, kl, kl_dense), want[1:]):
-          assert_close(got, np.asarray(exp, np.float64), f"{name} at q_offset={n}")
-
-      oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, n, segment_ids)
-      assert_selection(sel, oracle, raw, c)
-      support = np_support(np.asarray(sel), T, c.S, c.block_size, n, segment_ids)
-      assert_close(out, np_attention(x["q"], x["k"], x["v"], support, c.D ** -0.5), f"out vs oracle at {n}")
-      for name, got, sup in (("kl", kl, support),
-                             ("dense kl", kl_dense, np_support(None, T, c.S, c.block_size, n, segment_ids))):
-        want_kl = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], sup, c.D ** -0.5, c.d_idx ** -0.5)[0]
-        assert_close(got, want_kl, f"{name} vs oracle at {n}")
+  index_scale = 0.7
+  f = lambda qi: call(impl, "kl_loss", x["q"], x["k"], qi, k_idx, block_idx, block_size=c.block_size,  # noqa: E731
+                      index_scale=index_scale)
+  dqi = jax.grad(f)(x["q_idx"])
+  support = np_support(block_idx, c.T, c.S, c.block_size, c.offset)
+  *_, want_dz = np_kl(x["q"], x["k"], x["q_idx"], k_idx, support, c.D ** -0.5, index_scale)
+  got_dz = np.asarray(dqi, np.float64).transpose(0, 2, 1, 3) / index_scale  # [B, Hkv, T, S]
+  # Entries are O(1 / N) = O(1e-2): the absolute tolerance scales with them.
+  assert_close(got_dz, want_dz, "d loss / d index logits", atol=1e-7)
+  assert not got_dz[~np.broadcast_to(support, got_dz.shape)].any(), "gradient outside the support"
 
 
-class TestReference(_MsaOpsTestBase):
-  IMPL = "reference"
-
-
-class TestXla(_MsaOpsTestBase):
-  IMPL = "xla"
-
-
-class TestXlaChunked(_MsaOpsTestBase):
-  IMPL = "xla_chunked"
+@impls(*FAST)
+def test_kl_loss_all_blocks_equals_dense_warmup(impl):
+  c = DENSE_CASES[0]
+  x = make_inputs(c)
+  block_idx = call(impl, "select_blocks", x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk)
+  sparse = call(impl, "kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], block_idx, block_size=c.block_size)
+  dense = call(impl, "kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], None, block_size=c.block_size)
+  assert_close(sparse, float(dense), "sparse kl with every block vs dense kl")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Packed sequences (segment_ids)
+# Each op: the packed batch equals its documents run alone (PACK_SEGMENTS), and the general case (RAGGED_SEGMENTS)
+# equals the oracle. Forward and backward run in one jit per case: compiling them separately costs ~1.7x the time.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@impls(*FAST)
+def test_select_blocks_segments(impl):
+  c = PACK
+  x = make_inputs(c, seed=2)
+  opts = dict(block_size=c.block_size, topk=c.topk, local_blocks=c.local_blocks)
+  sel = np.asarray(call(impl, "select_blocks", x["q_idx"], x["k_idx"], segment_ids=PACK_SEGMENTS, **opts))
+  for lo in (0, DOC):
+    d = doc_inputs(x, lo, lo + DOC)
+    alone = np.asarray(call(impl, "select_blocks", d["q_idx"], d["k_idx"], **opts))
+    got = to_document(sel[:, :, lo:lo + DOC], lo // c.block_size, DOC // c.block_size)
+    np.testing.assert_array_equal(got, alone, f"document at slot {lo}")
+  # The second document's first block still forces the first document's last block (HF's local-block rule).
+  assert (sel[:, :, DOC:DOC + c.block_size, 1] == DOC // c.block_size - 1).all()
+
+  sel = call(impl, "select_blocks", x["q_idx"], x["k_idx"], segment_ids=RAGGED_SEGMENTS, **opts)
+  oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset,
+                                 RAGGED_SEGMENTS)
+  assert_selection(sel, oracle, raw, c)
+  # Non-local blocks are chosen only if they hold a key of the query's segment.
+  sel = np.asarray(sel)
+  n_local = np.minimum(c.local_blocks, np.arange(c.T) // c.block_size + 1)[None, None, :, None]
+  rest = (sel >= 0) & (np.arange(sel.shape[-1]) >= n_local)
+  assert (np.take_along_axis(raw, np.maximum(sel, 0), -1)[rest] > -np.inf).all()
+
+
+@impls(*FAST)
+def test_sparse_attention_segments(impl):
+  c = PACK
+  x = make_inputs(c, seed=4)
+
+  @jax.jit
+  def fwd_bwd(q, k, v, dout, block_idx, segment_ids=None):
+    out, vjp = jax.vjp(lambda q, k, v: call(impl, "sparse_attention", q, k, v, block_idx, block_size=c.block_size,
+                                            segment_ids=segment_ids), q, k, v)
+    return (out, *vjp(dout))
+
+  args = [x[n] for n in ("q", "k", "v", "dout")]
+  block_idx = oracle_selection(x, c, PACK_SEGMENTS)
+  packed = fwd_bwd(*args, block_idx, PACK_SEGMENTS)
+  for lo in (0, DOC):
+    d = doc_inputs(x, lo, lo + DOC)
+    idx = to_document(block_idx[:, :, lo:lo + DOC], lo // c.block_size, DOC // c.block_size).astype(np.int32)
+    alone = fwd_bwd(*[d[n] for n in ("q", "k", "v", "dout")], idx)
+    for name, got, exp in zip(("out", "dq", "dk", "dv"), packed, alone):
+      assert_close(np.asarray(got)[:, lo:lo + DOC], np.asarray(exp, np.float64), f"{name} of document at {lo}")
+
+  block_idx = oracle_selection(x, c, RAGGED_SEGMENTS)
+  got = fwd_bwd(*args, block_idx, RAGGED_SEGMENTS)
+  support = np_support(block_idx, c.T, c.S, c.block_size, c.offset, RAGGED_SEGMENTS)
+  want = np_attention(x["q"], x["k"], x["v"], support, c.D ** -0.5, x["dout"])
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert_close(g, w, f"{name} (ragged segments)")
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_warmup"])
+@impls(*FAST)
+def test_kl_loss_segments(impl, dense):
+  c = PACK
+  x = make_inputs(c, seed=6)
+
+  @jax.jit
+  def value_and_grads(q, k, q_idx, k_idx, block_idx, segment_ids=None):
+    f = lambda qi, ki: call(impl, "kl_loss", q, k, qi, ki, block_idx, block_size=c.block_size,  # noqa: E731
+                            segment_ids=segment_ids)
+    return jax.value_and_grad(f, argnums=(0, 1))(q_idx, k_idx)
+
+  def selection(segment_ids):
+    return None if dense else oracle_selection(x, c, segment_ids)
+
+  # The loss is a mean over (b, t, group) rows: the packed loss is the mean of the two documents' losses, and each
+  # document's gradients are its alone gradients over 2 (twice as many rows share the mean).
+  block_idx = selection(PACK_SEGMENTS)
+  loss, (dqi, dki) = value_and_grads(x["q"], x["k"], x["q_idx"], x["k_idx"], block_idx, PACK_SEGMENTS)
+  losses = []
+  for lo in (0, DOC):
+    d = doc_inputs(x, lo, lo + DOC)
+    idx = None if dense else to_document(block_idx[:, :, lo:lo + DOC], lo // c.block_size,
+                                         DOC // c.block_size).astype(np.int32)
+    loss_d, (dqi_d, dki_d) = value_and_grads(d["q"], d["k"], d["q_idx"], d["k_idx"], idx)
+    losses.append(float(loss_d))
+    assert_close(np.asarray(dqi)[:, lo:lo + DOC], np.asarray(dqi_d, np.float64) / 2, f"d q_idx of document at {lo}")
+    assert_close(np.asarray(dki)[:, lo:lo + DOC], np.asarray(dki_d, np.float64) / 2, f"d k_idx of document at {lo}")
+  assert_close(loss, np.mean(losses), "packed loss vs mean of the documents' losses")
+
+  block_idx = selection(RAGGED_SEGMENTS)
+  loss, (dqi, dki) = value_and_grads(x["q"], x["k"], x["q_idx"], x["k_idx"], block_idx, RAGGED_SEGMENTS)
+  support = np_support(block_idx, c.T, c.S, c.block_size, c.offset, RAGGED_SEGMENTS)
+  want_loss, want_dqi, want_dki, _ = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], support, c.D ** -0.5,
+                                           c.d_idx ** -0.5)
+  assert_close(loss, want_loss, "loss (ragged segments)")
+  assert_close(dqi, want_dqi, "d q_idx (ragged segments)")
+  assert_close(dki, want_dki, "d k_idx (ragged segments)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Traced q_offset (decoding inside a jitted loop) and sparse_decode (caches of different lengths per row)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,segmented", [(1, False), (4, True)], ids=["decode", "chunked_prefill_segments"])
+@impls(*FAST)
+def test_traced_q_offset_equals_int_offset(impl, T, segmented):
+  # One jitted function serves every offset; at each offset it must equal the oracle, with the unwritten (future)
+  # tail of the buffer invisible, and at two of them also the static-int result (each int offset compiles anew).
+  chunk = 3  # xla_chunked: T=4 -> two chunks of 3 rows, the last one padded, each at a traced start
+  seg = {"segment_ids": np.array([[0] * 10 + [1] * 14, [2] * 3 + [5] * 21], np.int32)} if segmented else {}
+  segment_ids = seg.get("segment_ids")
+
+  def ops(x, off):
+    opts = dict(block_size=BUFFER["block_size"], q_offset=off, query_chunk=chunk, **seg)
+    sel = call(impl, "select_blocks", x["q_idx"], x["k_idx"], topk=BUFFER["topk"],
+               local_blocks=BUFFER["local_blocks"], **opts)
+    out = call(impl, "sparse_attention", x["q"], x["k"], x["v"], sel, **opts)
+    kl = call(impl, "kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], sel, **opts)
+    kl_dense = call(impl, "kl_loss", x["q"], x["k"], x["q_idx"], x["k_idx"], None, **opts)
+    return sel, out, kl, kl_dense
+
+  traced = jax.jit(ops)
+  static = jax.jit(ops, static_argnums=1)  # q_offset a Python int: the static path of every op
+  for i, n in enumerate((0, 7, 13) if T > 1 else (0, 6, 17)):
+    c = Case(f"buffer_{n}", T=T, q_offset=n, **BUFFER)
+    x = buffer_inputs(c, seed=n)
+    sel, out, kl, kl_dense = traced(x, jnp.int32(n))
+    if i < 2:
+      want = static(x, n)
+      np.testing.assert_array_equal(sel, want[0], f"selection at q_offset={n}")
+      for name, got, exp in zip(("out", "kl", "kl_dense"), (out, kl, kl_dense), want[1:]):
+        assert_close(got, np.asarray(exp, np.float64), f"{name} at q_offset={n}")
+
+    oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, n, segment_ids)
+    assert_selection(sel, oracle, raw, c)
+    support = np_support(np.asarray(sel), T, c.S, c.block_size, n, segment_ids)
+    assert_close(out, np_attention(x["q"], x["k"], x["v"], support, c.D ** -0.5), f"out vs oracle at {n}")
+    for name, got, sup in (("kl", kl, support),
+                           ("dense kl", kl_dense, np_support(None, T, c.S, c.block_size, n, segment_ids))):
+      want_kl = np_kl(x["q"], x["k"], x["q_idx"], x["k_idx"], sup, c.D ** -0.5, c.d_idx ** -0.5)[0]
+      assert_close(got, want_kl, f"{name} vs oracle at {n}")
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@impls("xla", "pallas")  # sparse_decode: the API's vmapped xla path and the fused Pallas one
+def test_sparse_decode_matches_each_rows_prefix(impl, T):
+  B, S_max, Hq, Hkv, D, bs, topk = 3, 40, 4, 2, 16, 4, 3
+  c = Case("dec", B=B, T=T, S=S_max, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, topk=topk, d_idx=16)
+  x = make_inputs(c, seed=41 + T)
+  lengths = np.array([T + 2, 23, S_max], np.int32)
+  for b, n in enumerate(lengths):  # unwritten cache slots hold huge values: any leak would dominate
+    for name in ("k", "v", "k_idx"):
+      x[name][b, n:] = 1e4
+  out, sel = call(impl, "sparse_decode", x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray(lengths),
+                  block_size=bs, topk=topk)
+  for b, n in enumerate(lengths):
+    row = {name: x[name][b:b + 1] for name in x}
+    want_sel, raw = np_select_blocks(row["q_idx"], row["k_idx"][:, :n], bs, topk, 1, n - T)
+    got_sel = np.asarray(sel[b:b + 1])
+    slots = want_sel.shape[-1]  # a short row has fewer blocks: the rest of its slots must be -1
+    assert (got_sel[..., slots:] == -1).all()
+    assert_selection(got_sel[..., :slots], want_sel, raw, Case("row", B=1, T=T, S=int(n), Hq=Hq, Hkv=Hkv, D=D,
+                                                                 block_size=bs, topk=topk))
+    support = np_support(got_sel, T, S_max, bs, n - T)
+    want = np_attention(row["q"], row["k"], row["v"], support, D ** -0.5)
+    assert np.isfinite(np.asarray(out[b])).all()
+    assert_close(out[b:b + 1], want, f"row {b} (length {n})")
+
+
 # API: dispatch, jit, validation
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_default_implementation_off_the_gpu_is_xla():
-  # On the CPU every op defaults to xla; "pallas" is the interpret-mode kernel (tests/test_msa_pallas.py).
+  # On the CPU every op defaults to xla; "pallas" is the interpret-mode kernel.
   c = CASES[3]
   x = make_inputs(c)
   default = msa.select_blocks(x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk)
@@ -684,3 +548,11 @@ def test_traced_q_offset_skips_range_check():
   # Under jit the offset's value is unknown, so validation must not try to read it.
   out = jax.jit(lambda off: _attn(q_offset=off)())(jnp.int32(3))
   assert out.shape == (2, 8, 4, 8)
+
+
+def test_sparse_decode_validation():
+  x = make_inputs(Case("v", B=2, T=2, S=16, Hq=4, Hkv=2, D=8, block_size=4, topk=2, d_idx=8))
+  with pytest.raises(ValueError, match="lengths: values in"):
+    msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([1, 16]), block_size=4, topk=2)
+  with pytest.raises(ValueError, match="lengths: expected an integer array"):
+    msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([4.0, 16.0]), block_size=4, topk=2)

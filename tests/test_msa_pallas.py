@@ -1,10 +1,11 @@
-"""Pallas sparse attention (KV-outer forward + backward, query-major baseline) against the float64 numpy oracles of
-test_msa_ops, in Pallas interpret mode on the CPU.
+"""The paths only the Pallas kernels have, against the float64 oracles of tests/oracles.py, in Pallas interpret mode
+on the CPU: the KV-outer map, group sizes and random partial selections, the query-major baseline, bitwise
+determinism, the KL kernel's teacher variants and LSE fusion, split-K and group-folded selection, fp8 index caches.
+The checks every implementation passes (outputs and VJPs of each op, Pallas included) are in test_msa_ops.py.
 
 Interpret mode fills every output of a pallas_call with NaN before the kernel runs, so an element that no program
 writes (a missed chunk, a dropped pair, a skipped merge slot) surfaces as NaN: every check below also requires
-finite results. Small `KNOBS` force the code paths that only occur at scale on the GPU: several steps per forward
-program, a hot block split over several programs, backward loops of several steps, padded merge tiles.
+finite results. PALLAS_SMALL_TILES force the code paths that only occur at scale on the GPU (see tests/oracles.py).
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import pytest
 
 from pallas_kernels import msa
 from pallas_kernels.msa import pallas as msa_pallas
+from pallas_kernels.msa import pallas_kl, pallas_select
 from pallas_kernels.msa.pallas_map import build_kv_map
-from tests.test_msa_ops import (CASES, RAGGED_SEGMENTS, SELECT_CASES, Case, assert_close, assert_selection,
-                                make_inputs, np_attention, np_select_blocks, np_support)
-
-KNOBS = dict(rows=16, fwd_steps=2, bwd_rows=8, merge_rows=8)
+from tests.oracles import (CASES, PALLAS_SMALL_TILES, RAGGED_SEGMENTS, Case, assert_attention_matches, assert_close,
+                           assert_selection, make_inputs, np_attention, np_kl, np_select_blocks, np_support)
 
 
 def pallas_vjp(x, block_idx, c: Case, *, segment_ids=None, scale=None, q_offset=None, **knobs):
@@ -30,13 +30,6 @@ def pallas_vjp(x, block_idx, c: Case, *, segment_ids=None, scale=None, q_offset=
       q_offset=q_offset, **knobs)
   out, vjp = jax.vjp(f, x["q"], x["k"], x["v"])
   return (out, *vjp(jnp.asarray(x["dout"])))
-
-
-def assert_matches_oracle(got, x, support, scale):
-  want = np_attention(x["q"], x["k"], x["v"], support, scale, x["dout"])
-  for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-    assert np.isfinite(np.asarray(a)).all(), f"{name}: non-finite entries (an element was never written)"
-    assert_close(a, b, name)
 
 
 def random_selection(rng, B, Hkv, T, S, block_size, topk, q_offset):
@@ -51,14 +44,9 @@ def random_selection(rng, B, Hkv, T, S, block_size, topk, q_offset):
   return sel
 
 
-@pytest.mark.parametrize("knobs", [{}, KNOBS], ids=["default_tiles", "small_tiles"])
-@pytest.mark.parametrize("c", CASES[:3], ids=lambda c: c.name)
-def test_output_and_vjp_match_oracle(c, knobs):
-  x = make_inputs(c)
-  sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
-  got = pallas_vjp(x, sel.astype(np.int32), c, q_offset=c.q_offset, **knobs)
-  assert got[0].shape == (c.B, c.T, c.Hq, c.D) and got[0].dtype == jnp.float32
-  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
+# ---------------------------------------------------------------------------------------------------------------------
+# sparse_attention: KV-outer forward + backward, query-major baseline, the KV-outer map
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
@@ -66,19 +54,8 @@ def test_group_sizes_with_random_partial_selections(G):
   c = Case(f"g{G}", B=1, T=24, S=40, Hq=2 * G, Hkv=2, D=16, block_size=8, topk=4)
   x = make_inputs(c, seed=G)
   sel = random_selection(np.random.default_rng(G), c.B, c.Hkv, c.T, c.S, c.block_size, c.topk, c.offset)
-  got = pallas_vjp(x, sel, c, **KNOBS)
-  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
-
-
-def test_empty_repeated_and_out_of_order_slots():
-  # -1 anywhere, repeated ids (count once), rows with no block at all (output 0, gradient 0), a custom scale.
-  c = Case("messy", B=1, T=37, S=37, Hq=4, Hkv=2, D=8, block_size=8, topk=5)
-  x = make_inputs(c, seed=3)
-  sel = np.random.default_rng(1).integers(-1, c.num_blocks, size=(c.B, c.Hkv, c.T, 6)).astype(np.int32)
-  sel[:, :, ::7] = -1
-  got = pallas_vjp(x, sel, c, scale=0.3, **KNOBS)
-  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, 0), 0.3)
-  assert not np.asarray(got[0])[0, ::7].any()
+  got = pallas_vjp(x, sel, c, **PALLAS_SMALL_TILES)
+  assert_attention_matches(got, x, np_support(sel, c.T, c.S, c.block_size, c.offset), c.D ** -0.5)
 
 
 def test_all_local_selection():
@@ -86,22 +63,22 @@ def test_all_local_selection():
   c = Case("all_local", B=1, T=48, S=48, Hq=4, Hkv=1, D=16, block_size=8, topk=3, local_blocks=3)
   x = make_inputs(c, seed=5)
   sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
-  got = pallas_vjp(x, sel.astype(np.int32), c, **KNOBS)
-  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, 0), c.D ** -0.5)
+  got = pallas_vjp(x, sel.astype(np.int32), c, **PALLAS_SMALL_TILES)
+  assert_attention_matches(got, x, np_support(sel, c.T, c.S, c.block_size, 0), c.D ** -0.5)
 
 
 def test_packed_segments_with_ragged_last_block():
   c = Case("segments", B=2, T=32, S=32, Hq=4, Hkv=2, D=8, block_size=8, topk=3)
   x = make_inputs(c, seed=7)
   sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, 1, 0, RAGGED_SEGMENTS)
-  got = pallas_vjp(x, sel.astype(np.int32), c, segment_ids=jnp.asarray(RAGGED_SEGMENTS), **KNOBS)
-  assert_matches_oracle(got, x, np_support(sel, c.T, c.S, c.block_size, 0, RAGGED_SEGMENTS), c.D ** -0.5)
+  got = pallas_vjp(x, sel.astype(np.int32), c, segment_ids=jnp.asarray(RAGGED_SEGMENTS), **PALLAS_SMALL_TILES)
+  assert_attention_matches(got, x, np_support(sel, c.T, c.S, c.block_size, 0, RAGGED_SEGMENTS), c.D ** -0.5)
   # S not a multiple of the block size: the last block is padded inside the op.
   c2 = Case("ragged", B=1, T=21, S=29, Hq=4, Hkv=2, D=8, block_size=8, topk=3)
   x2 = make_inputs(c2, seed=8)
   sel2 = random_selection(np.random.default_rng(2), 1, 2, c2.T, c2.S, 8, 3, c2.offset)
-  got2 = pallas_vjp(x2, sel2, c2, **KNOBS)
-  assert_matches_oracle(got2, x2, np_support(sel2, c2.T, c2.S, 8, c2.offset), c2.D ** -0.5)
+  got2 = pallas_vjp(x2, sel2, c2, **PALLAS_SMALL_TILES)
+  assert_attention_matches(got2, x2, np_support(sel2, c2.T, c2.S, 8, c2.offset), c2.D ** -0.5)
 
 
 def test_traced_q_offset_in_a_jitted_decode_step():
@@ -121,8 +98,8 @@ def test_bitwise_deterministic_and_bf16_within_tolerance():
   x = make_inputs(c, seed=11)
   sel, _ = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, 1, 0)
   xb = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
-  first = pallas_vjp(xb, sel.astype(np.int32), c, **KNOBS)
-  second = pallas_vjp(xb, sel.astype(np.int32), c, **KNOBS)
+  first = pallas_vjp(xb, sel.astype(np.int32), c, **PALLAS_SMALL_TILES)
+  second = pallas_vjp(xb, sel.astype(np.int32), c, **PALLAS_SMALL_TILES)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   # bf16 inputs, f32 accumulation: the result is as close to the f64 oracle on the same (rounded) inputs as bf16
@@ -195,22 +172,12 @@ def test_api_dispatch_and_gpu_shape_errors():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("c", SELECT_CASES, ids=lambda c: c.name)
-def test_select_blocks_matches_oracle(c):
-  x = make_inputs(c)
-  sel = msa.select_blocks(x["q_idx"], x["k_idx"], block_size=c.block_size, topk=c.topk, local_blocks=c.local_blocks,
-                          q_offset=c.q_offset, implementation="pallas")
-  oracle, raw = np_select_blocks(x["q_idx"], x["k_idx"], c.block_size, c.topk, c.local_blocks, c.offset)
-  assert_selection(sel, oracle, raw, c)
-
-
 def test_select_blocks_per_group_segments_and_tiles():
   # Group 1 reads the negated index query (opposite preferences), segments cut the history, and small query tiles
   # with T not a multiple of the tile exercise the padded last tile.
   c = Case("groups_segments", B=2, T=32, S=32, Hq=2, Hkv=2, D=8, block_size=4, topk=3)
   x = make_inputs(c, seed=21)
   q_idx = np.stack([x["q_idx"][:, :, 0], -x["q_idx"][:, :, 0]], axis=2)
-  from pallas_kernels.msa import pallas_select  # noqa: PLC0415
   for seg in (None, RAGGED_SEGMENTS):
     sel = pallas_select.select_blocks(q_idx, x["k_idx"], block_size=4, topk=3, query_tile=8,
                                       segment_ids=None if seg is None else jnp.asarray(seg))
@@ -225,6 +192,38 @@ def test_select_blocks_per_group_segments_and_tiles():
                                                                             topk=3, implementation="xla")))
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+def test_select_blocks_key_splits_equal_one_program(splits):
+  # Split-K selection (decoding) merges per-range candidates: the same selection, per-row offsets included.
+  c = Case("splits", B=2, T=3, S=64, Hq=2, Hkv=2, D=8, block_size=4, topk=5, local_blocks=2)
+  x = make_inputs(c, seed=splits)
+  offsets = jnp.asarray([30, 61], jnp.int32)
+  args = dict(block_size=4, topk=5, local_blocks=2, q_offset=offsets)
+  one = pallas_select.select_blocks(x["q_idx"], x["k_idx"], **args)
+  split = pallas_select.select_blocks(x["q_idx"], x["k_idx"], key_splits=splits, **args)
+  np.testing.assert_array_equal(np.asarray(split), np.asarray(one))
+  for b, off in enumerate((30, 61)):
+    oracle, raw = np_select_blocks(x["q_idx"][b:b + 1], x["k_idx"][b:b + 1], 4, 5, 2, off)
+    assert_selection(np.asarray(split[b:b + 1]), oracle, raw, Case("row", B=1, T=3, S=64, Hq=2, Hkv=2, D=8,
+                                                                   block_size=4, topk=5, local_blocks=2, q_offset=off))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_select_blocks_folded_groups_equal_per_group_programs(splits):
+  # Decoding folds all groups' queries into one program's rows (one read of each index-key block); the selection
+  # must be the per-group programs' one, with per-row offsets, padded rows and split-K.
+  c = Case("fold", B=2, T=5, S=48, Hq=3, Hkv=3, D=8, block_size=4, topk=4, local_blocks=1)
+  x = make_inputs(c, seed=71)
+  args = dict(block_size=4, topk=4, q_offset=jnp.asarray([20, 43], jnp.int32), key_splits=splits, query_tile=8)
+  folded = pallas_select.select_blocks(x["q_idx"], x["k_idx"], fold_groups=True, **args)
+  per_group = pallas_select.select_blocks(x["q_idx"], x["k_idx"], fold_groups=False, **args)
+  np.testing.assert_array_equal(np.asarray(folded), np.asarray(per_group))
+  for b, off in enumerate((20, 43)):
+    oracle, raw = np_select_blocks(x["q_idx"][b:b + 1], x["k_idx"][b:b + 1], 4, 4, 1, off)
+    assert_selection(np.asarray(folded[b:b + 1]), oracle, raw,
+                     Case("row", B=1, T=5, S=48, Hq=3, Hkv=3, D=8, block_size=4, topk=4, q_offset=off))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # kl_loss: sparse target over the selected tokens, gradients to the index branch only
 # ---------------------------------------------------------------------------------------------------------------------
@@ -232,7 +231,6 @@ def test_select_blocks_per_group_segments_and_tiles():
 
 @pytest.mark.parametrize("segmented", [False, True], ids=["causal", "segments"])
 def test_kl_loss_and_index_gradients_match_oracle(segmented):
-  from tests.test_msa_ops import np_kl  # noqa: PLC0415
   c = Case("kl", B=2, T=32, S=32, Hq=8, Hkv=2, D=16, block_size=4, topk=3, d_idx=16)
   x = make_inputs(c, seed=31)
   seg = RAGGED_SEGMENTS if segmented else None
@@ -250,7 +248,6 @@ def test_kl_loss_and_index_gradients_match_oracle(segmented):
   assert_close(grads[3], dk_idx, "d k_idx")
   assert not np.asarray(grads[0]).any() and not np.asarray(grads[1]).any(), "the teacher must get no gradient"
   # LSE fusion: the attention forward's log-sum-exp gives the same loss as recomputing it.
-  from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
   _, lse = msa_pallas.sparse_attention_with_lse(x["q"], x["k"], x["v"], sel, block_size=4, segment_ids=seg_arg)
   # Small tiles: several programs per block forward, several loop steps per block backward; every way of averaging
   # the teacher's heads (the default above is "loop").
@@ -267,8 +264,6 @@ def test_kl_fused_teacher_bf16_matches_oracle():
   """The fused teacher on 16-bit inputs: all G heads in one dot, averaged by the pooling dot over bf16 pieces.
   Against the float64 oracle on the same bf16-rounded inputs, so only the kernel's own rounding is measured (f32
   accumulation; 16 mantissa bits kept through the pooling)."""
-  from pallas_kernels.msa import pallas_kl  # noqa: PLC0415
-  from tests.test_msa_ops import np_kl  # noqa: PLC0415
   c = Case("kl16", B=1, T=48, S=48, Hq=16, Hkv=2, D=16, block_size=8, topk=3, d_idx=16)
   x = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32))
        for k, v in make_inputs(c, seed=37).items()}
@@ -285,62 +280,6 @@ def test_kl_fused_teacher_bf16_matches_oracle():
   for name, got, ref in (("d q_idx", dqi, dq_idx), ("d k_idx", dki, dk_idx)):
     err = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
     assert err < 5e-3, f"{name}, fused teacher: relative error {err:.2e}"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# sparse_decode: caches of different lengths per row
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("T", [1, 3])
-def test_sparse_decode_matches_each_rows_prefix(impl, T):
-  B, S_max, Hq, Hkv, D, bs, topk = 3, 40, 4, 2, 16, 4, 3
-  c = Case("dec", B=B, T=T, S=S_max, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, topk=topk, d_idx=16)
-  x = make_inputs(c, seed=41 + T)
-  lengths = np.array([T + 2, 23, S_max], np.int32)
-  for b, n in enumerate(lengths):  # unwritten cache slots hold huge values: any leak would dominate
-    for name in ("k", "v", "k_idx"):
-      x[name][b, n:] = 1e4
-  out, sel = msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray(lengths),
-                               block_size=bs, topk=topk, implementation=impl)
-  for b, n in enumerate(lengths):
-    row = {name: x[name][b:b + 1] for name in x}
-    want_sel, raw = np_select_blocks(row["q_idx"], row["k_idx"][:, :n], bs, topk, 1, n - T)
-    got_sel = np.asarray(sel[b:b + 1])
-    slots = want_sel.shape[-1]  # a short row has fewer blocks: the rest of its slots must be -1
-    assert (got_sel[..., slots:] == -1).all()
-    assert_selection(got_sel[..., :slots], want_sel, raw, Case("row", B=1, T=T, S=int(n), Hq=Hq, Hkv=Hkv, D=D,
-                                                                 block_size=bs, topk=topk))
-    support = np_support(got_sel, T, S_max, bs, n - T)
-    want = np_attention(row["q"], row["k"], row["v"], support, D ** -0.5)
-    assert np.isfinite(np.asarray(out[b])).all()
-    assert_close(out[b:b + 1], want, f"row {b} (length {n})")
-
-
-def test_sparse_decode_validation():
-  x = make_inputs(Case("v", B=2, T=2, S=16, Hq=4, Hkv=2, D=8, block_size=4, topk=2, d_idx=8))
-  with pytest.raises(ValueError, match="lengths: values in"):
-    msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([1, 16]), block_size=4, topk=2)
-  with pytest.raises(ValueError, match="lengths: expected an integer array"):
-    msa.sparse_decode(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], jnp.asarray([4.0, 16.0]), block_size=4, topk=2)
-
-
-@pytest.mark.parametrize("splits", [2, 5])
-def test_select_blocks_key_splits_equal_one_program(splits):
-  # Split-K selection (decoding) merges per-range candidates: the same selection, per-row offsets included.
-  from pallas_kernels.msa import pallas_select  # noqa: PLC0415
-  c = Case("splits", B=2, T=3, S=64, Hq=2, Hkv=2, D=8, block_size=4, topk=5, local_blocks=2)
-  x = make_inputs(c, seed=splits)
-  offsets = jnp.asarray([30, 61], jnp.int32)
-  args = dict(block_size=4, topk=5, local_blocks=2, q_offset=offsets)
-  one = pallas_select.select_blocks(x["q_idx"], x["k_idx"], **args)
-  split = pallas_select.select_blocks(x["q_idx"], x["k_idx"], key_splits=splits, **args)
-  np.testing.assert_array_equal(np.asarray(split), np.asarray(one))
-  for b, off in enumerate((30, 61)):
-    oracle, raw = np_select_blocks(x["q_idx"][b:b + 1], x["k_idx"][b:b + 1], 4, 5, 2, off)
-    assert_selection(np.asarray(split[b:b + 1]), oracle, raw, Case("row", B=1, T=3, S=64, Hq=2, Hkv=2, D=8,
-                                                                   block_size=4, topk=5, local_blocks=2, q_offset=off))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -396,20 +335,3 @@ def test_sparse_decode_with_fp8_index_cache():
     want = np_attention(x["q"][b:b + 1], x["k"][b:b + 1], x["v"][b:b + 1], np_support(sel, T, S_max, bs, n - T),
                         D ** -0.5)
     assert_close(got["pallas"][0][b:b + 1], want, f"row {b}")
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_select_blocks_folded_groups_equal_per_group_programs(splits):
-  # Decoding folds all groups' queries into one program's rows (one read of each index-key block); the selection
-  # must be the per-group programs' one, with per-row offsets, padded rows and split-K.
-  from pallas_kernels.msa import pallas_select  # noqa: PLC0415
-  c = Case("fold", B=2, T=5, S=48, Hq=3, Hkv=3, D=8, block_size=4, topk=4, local_blocks=1)
-  x = make_inputs(c, seed=71)
-  args = dict(block_size=4, topk=4, q_offset=jnp.asarray([20, 43], jnp.int32), key_splits=splits, query_tile=8)
-  folded = pallas_select.select_blocks(x["q_idx"], x["k_idx"], fold_groups=True, **args)
-  per_group = pallas_select.select_blocks(x["q_idx"], x["k_idx"], fold_groups=False, **args)
-  np.testing.assert_array_equal(np.asarray(folded), np.asarray(per_group))
-  for b, off in enumerate((20, 43)):
-    oracle, raw = np_select_blocks(x["q_idx"][b:b + 1], x["k_idx"][b:b + 1], 4, 4, 1, off)
-    assert_selection(np.asarray(folded[b:b + 1]), oracle, raw,
-                     Case("row", B=1, T=5, S=48, Hq=3, Hkv=3, D=8, block_size=4, topk=4, q_offset=off))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from m3_jax.interop import hf
 from m3_jax.interop import hf_vision as hv
 from m3_jax.models.config import TextConfig, VLConfig, VisionConfig
 from m3_jax.models.multimodal import VLModel, check_batch, merge_visual_tokens
@@ -32,7 +33,7 @@ def forward(model, inputs, images=None, image_valid=None, videos=None, video_val
 # ---- HF parity -------------------------------------------------------------------------------------------------
 
 def test_vl_tiny_logits_match_hf():
-  model, cfg = hv.load(os.path.join(FIX, "vl_tiny"))
+  model, cfg = hf.load(os.path.join(FIX, "vl_tiny"))
   r = ref("vl_tiny")
   image = hv.hf_patches_to_frames(r["pixel_values"], r["image_grid_thw"][0], cfg.vision)
   video = hv.hf_patches_to_frames(r["pixel_values_videos"], r["video_grid_thw"][0], cfg.vision)
@@ -44,10 +45,10 @@ def test_vl_tiny_logits_match_hf():
   np.testing.assert_allclose(np.asarray(logits), r["logits"], atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_vl_checkpoint_through_the_public_load_matches_hf():
   """Issue 7's entry point: `m3_jax.interop.hf.load(path)` on a full VL checkpoint returns the VL model, whose logits
   on an image + a video (visual-token merge included) match HF's."""
-  from m3_jax.interop import hf  # noqa: PLC0415
   model, cfg = hf.load(os.path.join(FIX, "vl_tiny"))
   assert isinstance(model, VLModel) and isinstance(cfg, VLConfig)
   r = ref("vl_tiny")
@@ -77,7 +78,7 @@ def segments_batch():
 
 @pytest.fixture(scope="module")
 def hf_segments_model():
-  return hv.load(os.path.join(FIX, "vl_tiny"), vision_overrides={"max_frames": 2})
+  return hf.load(os.path.join(FIX, "vl_tiny"), vision_overrides={"max_frames": 2})
 
 
 def _jnp(batch):
@@ -270,7 +271,7 @@ def test_loader_names_bad_vision_tensors_and_reads_hf_memory_names(tmp_path):
   bad["patch_merge_mlp.linear_3.weight"] = np.zeros((2, 2), np.float32)
   with pytest.raises(ValueError, match=r"missing \['model.vision_tower.layers.1.mlp.fc2.bias'\], "
                                        r"unexpected \['patch_merge_mlp.linear_3.weight'\]"):
-    hv.load(write("bad", bad))
+    hf.load(write("bad", bad))
   # The vision side under HF's in-memory names (transformers' conversion_mapping direction) loads the same weights.
   renames = [(r"^vision_tower\.vision_model\.embeddings\.patch_embedding\.", "model.vision_tower.embeddings.proj."),
              (r"^vision_tower\.vision_model\.encoder\.", "model.vision_tower."),
@@ -283,8 +284,8 @@ def test_loader_names_bad_vision_tensors_and_reads_hf_memory_names(tmp_path):
       n = re.sub(pattern, repl, n, count=1)
     renamed[n] = t
   assert sum(n.startswith("model.vision_tower.layers.") for n in renamed) == 2 * 16
-  a, _ = hv.load(src_dir)
-  b, _ = hv.load(write("memory_names", renamed))
+  a, _ = hf.load(src_dir)
+  b, _ = hf.load(write("memory_names", renamed))
   for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

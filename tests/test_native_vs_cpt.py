@@ -1,11 +1,11 @@
-"""The native-vs-CPT experiment (configs/native_vs_cpt.py, experiments/native_vs_cpt.py): the mixing schedules on
+"""The native-vs-CPT experiment (configs/native_vs_cpt.py, experiments/native_vs_cpt/): the mixing schedules on
 the real pipeline (every arm reads the same text rows, those of the text pipeline; vision rows are extra and start
 exactly at the arm's step; resume in the middle), the LR rescale in closed form, the text->visual attention mass
 against a hand-computed example, the verdict on hand-made tables, and a micro smoke run of the driver.
 
 Data are real: licence texts (text), Fashion-MNIST (images, and the sprites of synthetic-motion clips) and the real
 clips, prepared into a per-session directory; package downloads are shared with the other data tests
-($M3_DATA_DIR/raw, default /tmp/m3_jax_test_data/raw).
+(the `download_cache` fixture: $M3_DATA_DIR/raw, else under pytest's temp root).
 """
 
 import hashlib
@@ -18,18 +18,19 @@ import sys
 import numpy as np
 import pytest
 
-from m3_jax.data import pipeline
+from configs import native_vs_cpt
+from experiments.native_vs_cpt import analysis, plots, stats
+from m3_jax.core.batch import TEXT_KEYS
+from m3_jax.data import inputs, text_pipeline
 from m3_jax.data import vision_pipeline as vp
 from m3_jax.models.multimodal import text_to_visual_mass
-from m3_jax.train import config_lib, trainer
+from m3_jax.train import config_lib
 from m3_jax.train.metrics import read_metrics
 from m3_jax.train.optimizer import OptimConfig, make_schedule, wsd_decay_start
 from tests.train_utils import REPO, license_texts
 
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "experiments"))
-import native_vs_cpt as driver  # noqa: E402
-from configs import native_vs_cpt  # noqa: E402
+# End-to-end training runs (each compiles and trains a model): the full suite only, not the fast tier.
+pytestmark = pytest.mark.slow
 
 OVERRIDES = {"data.use_builtin": False, "data.text_files": "licenses=" + ",".join(license_texts()),
              "data.vocab_size": 512, "model.vocab_size": 512, "data.mm.prepare_sources": "fashion_mnist,real_clips",
@@ -54,12 +55,10 @@ def micro_config(data_dir: str, arg: str = "arm=native"):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
+def data_dir(tmp_path_factory, download_cache):
   d = tmp_path_factory.mktemp("nvc_data")
-  raw = os.path.join(os.environ.get("M3_DATA_DIR", "/tmp/m3_jax_test_data"), "raw")
-  os.makedirs(raw, exist_ok=True)
-  os.symlink(raw, d / "raw")
-  trainer.prepare_data(micro_config(str(d)))
+  os.symlink(download_cache, d / "raw")
+  inputs.prepare(micro_config(str(d)), vision=True)
   return str(d)
 
 
@@ -76,7 +75,7 @@ def has_items(b):
 # ---- the mixing schedules ----------------------------------------------------------------------------------------
 
 def test_text_rows_identical_across_arms_and_vision_from_the_configured_step(data_dir):
-  ref = iter(pipeline.make_train_dataset(data_dir, seq_len=SEQ, global_batch_size=TEXT_ROWS, seed=0))
+  ref = iter(text_pipeline.make_train_dataset(data_dir, seq_len=SEQ, global_batch_size=TEXT_ROWS, seed=0))
   want = [next(ref) for _ in range(STEPS)]
   # The text stream written out independently: sha256 chained over each step's int32 inputs, loss tokens counted.
   chain, tokens = hashlib.sha256(b"").hexdigest(), 0
@@ -91,7 +90,7 @@ def test_text_rows_identical_across_arms_and_vision_from_the_configured_step(dat
       b = next(it)
       assert b["inputs"].shape == (rows, SEQ), arm
       # the first rows are exactly the text pipeline's batch of this step
-      for k in pipeline.BATCH_KEYS:
+      for k in TEXT_KEYS:
         np.testing.assert_array_equal(b[k][:TEXT_ROWS], want[step][k], err_msg=f"{arm} step {step} {k}")
       np.testing.assert_array_equal(b["text_row"], np.arange(rows) < TEXT_ROWS)
       assert not has_items(b)[:TEXT_ROWS].any()
@@ -108,7 +107,7 @@ def test_text_rows_identical_across_arms_and_vision_from_the_configured_step(dat
 
   # Two processes: each reads its slice of the text pipeline and appends half of the vision rows.
   for p in range(2):
-    ref = iter(pipeline.make_train_dataset(data_dir, seq_len=SEQ, global_batch_size=TEXT_ROWS, seed=0,
+    ref = iter(text_pipeline.make_train_dataset(data_dir, seq_len=SEQ, global_batch_size=TEXT_ROWS, seed=0,
                                            process_index=p, process_count=2))
     it = arm_iter(data_dir, 1, process_index=p, process_count=2)
     for step in range(2):
@@ -147,7 +146,7 @@ def test_modes_are_exclusive_and_errors_name_the_argument(data_dir):
   c = micro_config(data_dir, "arm=native")
   c.data.mm.vision_weight = 0.25
   with pytest.raises(ValueError, match=r"set data.mm.vision_weight=0"):
-    trainer.train_iterator(c)
+    inputs.train_iterator(c, config_lib.vision_config(config_lib.model_config(c)))
 
 
 # ---- the schedule --------------------------------------------------------------------------------------------------
@@ -232,14 +231,14 @@ def test_attention_mass_per_layer_against_a_hand_computed_example():
   assert counts == [1.0, 3.0]
   np.testing.assert_allclose(masses[0], [[0.5, 0.2], [0.5, 0.5]], rtol=1e-6)
   np.testing.assert_allclose(masses[1], [[0.6, 0.2], [4 / 9, 4 / 9]], rtol=1e-6)
-  np.testing.assert_allclose(driver.reduce_mass(masses, counts), [0.3875, 11 / 24], rtol=1e-6)
+  np.testing.assert_allclose(analysis.reduce_mass(masses, counts), [0.3875, 11 / 24], rtol=1e-6)
 
   # An example's map: the caption after a visual span attends to each visual token (mean over caption queries).
   # Row [text, <s>, vis, vis, <e>, cap, cap] (ids 40, 4, 2, 2, 5, 41, 42); queries t5, t6.
   probs = np.zeros((1, 1, 7, 7))
   probs[0, 0, 5] = [0.1, 0.1, 0.3, 0.1, 0.2, 0.2, 0]
   probs[0, 0, 6] = [0.1, 0.1, 0.1, 0.3, 0.1, 0.1, 0.2]
-  m = driver.example_map(probs, np.array([[40, 4, 2, 2, 5, 41, 42]]), np.ones((1, 7), int), 0)
+  m = analysis.example_map(probs, np.array([[40, 4, 2, 2, 5, 41, 42]]), np.ones((1, 7), int), 0)
   assert m["kind"] == "image"
   np.testing.assert_allclose(m["layers"], [[0.2, 0.2]])
   np.testing.assert_allclose(m["mass"], [0.4])
@@ -259,7 +258,7 @@ def test_verdict_from_hand_made_tables():
                          "cpt_predecay_lr0.3": arm(0.02, 0.0, 0.03), "cpt_predecay_lr1.0": arm(0.0, 0.02, 0.01)},
            "mass": {"native": {0: 0.30, 1: 0.32, 2: 0.31}, "cpt_decay": {0: 0.05, 1: 0.06, 2: 0.04}},
            "seed_spread": 0.011}
-  lines = "\n".join(driver.verdict(table))
+  lines = "\n".join(stats.verdict(table))
   assert "claim 'native (vision from step 0) keeps text capability': REPRODUCES" in lines
   assert ("claim 'vision added in the LR decay degrades text': REPRODUCES. cpt_decay - text_only = +0.0550 nats "
           "(std 0.0050 over 3 seeds, t = +19.1), clear; |delta| = 5.0 x the seed-to-seed spread") in lines
@@ -273,12 +272,12 @@ def test_verdict_from_hand_made_tables():
   table["text_loss"].update({"native": arm(0.05, 0.06, 0.055), "cpt_decay": arm(0.1, 0.12, 0.11),
                              "cpt_predecay_lr0.3": arm(0.01, 0.012, 0.011),
                              "cpt_predecay_lr1.0": arm(0.05, 0.06, 0.055)})
-  lines = "\n".join(driver.verdict(table))
+  lines = "\n".join(stats.verdict(table))
   assert "keeps text capability': PARTLY REPRODUCES" in lines
   assert "the LR matters here (clear): cpt_predecay_lr0.3 keeps text better" in lines
   table["text_loss"]["cpt_decay"] = arm(0.01, -0.01, 0.005)
   table["mass"]["native"] = {0: 0.05, 1: 0.04, 2: 0.06}
-  lines = "\n".join(driver.verdict(table))
+  lines = "\n".join(stats.verdict(table))
   assert "degrades text': DOES NOT REPRODUCE (within noise)" in lines
   assert "keeps text capability': DOES NOT REPRODUCE" in lines
   assert "CPT-style ones': DOES NOT REPRODUCE (within noise)" in lines
@@ -287,7 +286,7 @@ def test_verdict_from_hand_made_tables():
   # the LR change alone (control +0.1) and vision adds the same small amount at both LRs -> not sensitive
   table["text_loss"].update({"text_only_lr0.3": arm(0.10, 0.11, 0.12), "cpt_predecay_lr0.3": arm(0.11, 0.12, 0.13),
                              "cpt_predecay_lr1.0": arm(0.01, 0.01, 0.01)})
-  lines = "\n".join(driver.verdict(dict(table, noise_floor=0.02)))
+  lines = "\n".join(stats.verdict(dict(table, noise_floor=0.02)))
   assert ("vision's own effect at this LR (cpt_predecay_lr0.3 - text_only_lr0.3) = +0.0100 nats (std 0.0000 over 3 "
           "seeds") in lines
   assert "the LR change alone (text_only_lr0.3 - text_only) = +0.1100 nats" in lines
@@ -295,14 +294,14 @@ def test_verdict_from_hand_made_tables():
   assert "judged on vision's own effect" in lines
   # vision costs 0.063 more at lr0.3 than at lr1.0 (above the floor, every seed): the LR matters for vision
   table["text_loss"]["cpt_predecay_lr0.3"] = arm(0.18, 0.18, 0.19)
-  lines = "\n".join(driver.verdict(dict(table, noise_floor=0.02)))
+  lines = "\n".join(stats.verdict(dict(table, noise_floor=0.02)))
   assert ("the LR matters here (clear): vision costs more text at cpt_predecay_lr0.3, vision's effect at "
           "cpt_predecay_lr0.3 minus at cpt_predecay_lr1.0 = +0.0633 nats") in lines
   del table["text_loss"]["text_only_lr0.3"]
 
   # a difference below the numerical noise floor (vision arms vs text_only before vision starts) is noise
   table["text_loss"]["cpt_decay"] = arm(0.05, 0.06, 0.055)
-  lines = "\n".join(driver.verdict(dict(table, noise_floor=0.06)))
+  lines = "\n".join(stats.verdict(dict(table, noise_floor=0.06)))
   assert "degrades text': DOES NOT REPRODUCE (below the numerical noise floor)" in lines
 
   def run(start, losses):  # evaluations at steps 0, 10, 20, 30 of one text source
@@ -311,12 +310,12 @@ def test_verdict_from_hand_made_tables():
   runs = {"text_only": {0: run(None, [9.0, 5.0, 4.0, 3.0])},
           "cpt_decay": {0: run(30, [9.0, 5.02, 3.99, 2.0])},  # before step 30: |0.02|, |-0.01|
           "native": {0: run(0, [9.0, 4.0, 3.0, 2.0])}}  # vision from step 0: nothing before
-  assert driver.noise_floor(runs) == pytest.approx(0.02)
+  assert stats.noise_floor(runs) == pytest.approx(0.02)
 
   # one seed: directions only, never a 'REPRODUCES'
   one = {"text_loss": {k: {0: v[0]} for k, v in table["text_loss"].items()},
          "mass": {k: {0: v[0]} for k, v in table["mass"].items()}, "seed_spread": None}
-  lines = driver.verdict(one)
+  lines = stats.verdict(one)
   assert lines[0].startswith("- ONE SEED")
   assert not any("REPRODUCES" in line for line in lines)
 
@@ -327,7 +326,7 @@ def test_driver_micro_smoke(data_dir, tmp_path):
   """Two arm settings, one seed: trains, analyses, writes results.json, report.md (every section) and the plots; the
   two runs logged the same text stream; from the vision start on cpt_predecay_lr0.3 ran at 0.3 x text_only's LR."""
   sweep = str(tmp_path / "sweep")
-  cmd = [sys.executable, "experiments/native_vs_cpt.py", "--size=micro", "--arms=text_only,cpt_predecay_lr0.3",
+  cmd = [sys.executable, "-m", "experiments.native_vs_cpt", "--size=micro", "--arms=text_only,cpt_predecay_lr0.3",
          f"--data_dir={data_dir}", f"--sweep_dir={sweep}"]
   for k, v in OVERRIDES.items():
     cmd += ["--override", f"{k}={v}"]
@@ -347,7 +346,7 @@ def test_driver_micro_smoke(data_dir, tmp_path):
     assert section in report, section
   assert "All arms saw exactly the same text tokens in the same order." in report
   assert "| cpt_predecay_lr0.3 | 5 | x0.3 from 5 |" in report  # 10 steps: warmup 1, decay from 8, half-way 5
-  for name in driver.PLOTS:
+  for name in plots.PLOTS:
     with open(os.path.join(sweep, name), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
 

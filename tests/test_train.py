@@ -11,9 +11,13 @@ import time
 import numpy as np
 import pytest
 
-from m3_jax.train import trainer
+from m3_jax.data import inputs
+from m3_jax.train import evaluation, trainer
 from m3_jax.train.metrics import read_metrics
 from tests.train_utils import REPO, small_config
+
+# End-to-end training runs (each compiles and trains a model): the full suite only, not the fast tier.
+pytestmark = pytest.mark.slow
 
 CONFIG = os.path.join(REPO, "tests", "small_config.py")
 
@@ -21,7 +25,7 @@ CONFIG = os.path.join(REPO, "tests", "small_config.py")
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("data"))
-  trainer.prepare_data(small_config(d))
+  inputs.prepare(small_config(d), vision=False)
   return d
 
 
@@ -84,7 +88,7 @@ def test_eight_device_mesh_matches_one_device_and_restores_across_meshes(data_di
   np.testing.assert_allclose([a[s] for s in (1, 2, 3)], [b[s] for s in (1, 2, 3)], rtol=2e-5)
   # the 8-device checkpoint restored onto this process's 1-device mesh evaluates to the same held-out loss
   sharded_eval = [r for r in read_metrics(sharded) if "eval/licenses/loss" in r][-1]["eval/licenses/loss"]
-  ev = trainer.evaluate(cfg, sharded)
+  ev = evaluation.evaluate(cfg, sharded)
   assert ev["eval/licenses/loss"] == pytest.approx(sharded_eval, rel=2e-5)
 
 
@@ -92,12 +96,12 @@ def test_export_is_loadable_by_eval(data_dir, tmp_path):
   cfg = small_config(data_dir, **{"train.steps": 2})
   work = str(tmp_path / "w")
   trainer.train_and_evaluate(cfg, work)
-  full = trainer.evaluate(cfg, work)
-  path = trainer.export(cfg, work)
+  full = evaluation.evaluate(cfg, work)
+  path = evaluation.export(cfg, work)
   assert sorted(os.listdir(path)) == ["model_config.json", "params"]
   with open(os.path.join(path, "model_config.json")) as f:
     assert json.load(f)["hidden_size"] == 32
-  exported = trainer.evaluate(cfg, str(tmp_path / "eval_of_export"), checkpoint=path)
+  exported = evaluation.evaluate(cfg, str(tmp_path / "eval_of_export"), checkpoint=path)
   # bf16 export: the same model up to bf16 rounding of the weights
   assert exported["eval/licenses/loss"] == pytest.approx(full["eval/licenses/loss"], abs=0.02)
   assert exported["eval/licenses/loss"] != full["eval/licenses/loss"]
@@ -148,7 +152,7 @@ def test_generate_cli_streams_from_an_export(data_dir, tmp_path):
   cfg = small_config(data_dir, **{"train.steps": 2})
   work = str(tmp_path / "g")
   trainer.train_and_evaluate(cfg, work)
-  path = trainer.export(cfg, work)
+  path = evaluation.export(cfg, work)
   p = subprocess.run([sys.executable, "-m", "m3_jax.generate", f"--checkpoint={path}", "--prompt=The licence",
                       "--max_new_tokens=8", f"--tokenizer={data_dir}/tokenizer.json"],
                      cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -183,7 +187,7 @@ def test_dense_to_msa_conversion_run(data_dir, tmp_path, capsys):
   dense = small_config(data_dir, **{"train.steps": 2})
   trainer.train_and_evaluate(dense, str(tmp_path / "dense"))
   dense.export.dtype = ""
-  path = trainer.export(dense, str(tmp_path / "dense"))
+  path = evaluation.export(dense, str(tmp_path / "dense"))
   msa = small_config(data_dir, **{"train.steps": 4, "init_from": path, "model.layer_types":
                                   ("full_attention", "minimax_m3_sparse"), "model.index_n_heads": 2,
                                   "model.index_head_dim": 8, "model.index_block_size": 8,

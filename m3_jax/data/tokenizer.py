@@ -3,7 +3,8 @@
 Byte-level means every string (any script, emoji, control characters, stray whitespace) maps to tokens and
 decodes back to exactly the same string; there is no unknown token and no normaliser.
 
-Special tokens have fixed ids, in this order, so that code can rely on them without reading the vocab:
+Special tokens have fixed ids (m3_jax.core.batch.SPECIAL_TOKENS), in this order, so that code can rely on them
+without reading the vocab:
 
     0 <|pad|>           padding; the data pipeline pads with 0 and masks it out of the loss
     1 <|endoftext|>     appended after every document
@@ -20,9 +21,9 @@ from collections.abc import Iterable, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from m3_jax.core.batch import SPECIAL_TOKENS
+from m3_jax.core.batch import EOT, IMAGE, PAD, SPECIAL_TOKENS, VIDEO
 
-__all__ = ["SPECIAL_TOKENS", "Tokenizer", "train_bpe"]
+__all__ = ["MIN_VOCAB_SIZE", "Tokenizer", "train_bpe"]
 
 
 # Smallest vocab that holds the 256 byte symbols, the special tokens and at least one merge.
@@ -47,12 +48,6 @@ class Tokenizer:
       raise FileNotFoundError(f"tokenizer file {path!r} does not exist; run m3_jax.data.prepare(data_dir) first")
     return cls(tokenizers.Tokenizer.from_file(path))
 
-  @classmethod
-  def from_data_dir(cls, data_dir: str) -> "Tokenizer":
-    """Loads the tokenizer that `m3_jax.data.prepare(data_dir)` trained."""
-    from m3_jax.data import corpus  # local import: corpus imports this module
-    return cls.from_file(corpus.load_manifest(data_dir).tokenizer_path)
-
   def save(self, path: str) -> None:
     self._tok.save(path)
 
@@ -67,19 +62,19 @@ class Tokenizer:
 
   @property
   def pad_id(self) -> int:
-    return 0
+    return PAD
 
   @property
   def eot_id(self) -> int:
-    return 1
+    return EOT
 
   @property
   def image_id(self) -> int:
-    return 2
+    return IMAGE
 
   @property
   def video_id(self) -> int:
-    return 3
+    return VIDEO
 
   def token_to_id(self, token: str) -> int | None:
     return self._tok.token_to_id(token)

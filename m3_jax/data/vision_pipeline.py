@@ -1,8 +1,10 @@
-"""grain pipelines for multimodal batches: image-caption and video-caption examples (m3_jax.data.vision) packed
-into rows, mixed row by row with the text pipeline's rows (m3_jax.data.pipeline).
+"""grain pipelines for multimodal batches: image-caption and video-caption examples (the prepared images of
+m3_jax.data.vision_prepare, synthetic motion clips of m3_jax.data.motion) packed into rows, mixed row by row with
+the text pipeline's rows (m3_jax.data.text_pipeline).
 
-A batch is the text batch of pipeline.py (`inputs, targets, segment_ids, positions, loss_mask`, all [B, L]) plus,
-for each modality the `VisionSpec` uses (a modality with 0 items per row has no keys at all):
+A batch (keys: m3_jax.core.batch.MM_KEYS) is the text batch of text_pipeline.py (`inputs, targets, segment_ids,
+positions, loss_mask`, all [B, L]) plus, for each modality the `VisionSpec` uses (a modality with 0 items per row
+has no keys at all):
 
     images       float32 [B, N_img, tp, H, W, 3]   pixels normalised as (x / 255 - 0.5) / 0.5, so in [-1, 1]; an
                                                    image is one frame repeated tp = temporal_patch_size times
@@ -21,7 +23,7 @@ Mixing text and vision, and why the text stream stays the same across arms. A tr
 `global_batch_size // process_count` rows; in step s, `round`-ed so that the running total matches, a fraction
 `vision_weight(s)` of them are multimodal rows and the rest are text rows. Both come from separate streams:
 
-  * the text rows are exactly the rows of `pipeline.make_train_dataset` with the same seed, sources and packing
+  * the text rows are exactly the rows of `text_pipeline.make_train_dataset` with the same seed, sources and packing
     (same pieces, same order, same packing), consumed in order;
   * the multimodal rows are packed from the multimodal examples alone (optionally with text pieces from an
     independently seeded text stream, `text_in_mm_rows`).
@@ -57,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -65,11 +66,16 @@ from typing import Any
 import grain
 import numpy as np
 
-from m3_jax.core.batch import EOT, IMAGE, IMAGE_END, IMAGE_START, MM_KEYS, PAD, VIDEO, VIDEO_END, VIDEO_START
-from m3_jax.data import corpus, pipeline, vision
+from m3_jax.core.batch import EOT, IMAGE, IMAGE_END, IMAGE_START, VIDEO, VIDEO_END, VIDEO_START
+from m3_jax.data.captions import image_caption, item_phrase
+from m3_jax.data.common import check_seq_len, mp_prefetch, seed32
+from m3_jax.data.motion import MotionConfig, SyntheticClip, synthesize_clip
+from m3_jax.data.text_pipeline import pack_pieces, train_pieces
+from m3_jax.data.text_prepare import load_manifest
 from m3_jax.data.tokenizer import Tokenizer
+from m3_jax.data.vision_prepare import ClipSet, ImageSet, load_vision_manifest
 
-__all__ = ["VisionSpec", "MM_BATCH_KEYS", "SYNTHETIC_VIDEO", "EVAL_ONLY_SOURCES", "DEFAULT_MM_WEIGHTS",
+__all__ = ["VisionSpec", "SYNTHETIC_VIDEO", "EVAL_ONLY_SOURCES", "DEFAULT_MM_WEIGHTS",
            "DEFAULT_SPRITE_SOURCES", "list_mm_sources", "make_mm_train_dataset", "make_mm_eval_batches",
            "image_to_pixels", "normalize_pixels"]
 
@@ -77,7 +83,6 @@ _VISUAL_IDS = np.array([IMAGE, VIDEO, IMAGE_START, IMAGE_END, VIDEO_START, VIDEO
 
 SYNTHETIC_VIDEO = "synthetic_video"
 EVAL_ONLY_SOURCES = ("real_clips",)
-MM_BATCH_KEYS = MM_KEYS
 # Element shares of the multimodal examples (not token shares); only the prepared sources a spec can use count.
 DEFAULT_MM_WEIGHTS: dict[str, float] = {"fashion_mnist": 1.0, "opencv_digits": 1.0, "sklearn_digits": 0.5,
                                         "openclipart": 1.0, "emoji": 1.0, SYNTHETIC_VIDEO: 2.0}
@@ -145,7 +150,7 @@ class VisionSpec:
 def list_mm_sources(data_dir: str, spec: VisionSpec | None = None) -> list[str]:
   """Multimodal train sources available in `data_dir` for `spec`: prepared image sources and synthetic_video (if
   any sprite source is prepared); eval-only sources (real_clips) are not listed."""
-  vm = vision.load_vision_manifest(data_dir)
+  vm = load_vision_manifest(data_dir)
   out = []
   if spec is None or spec.max_images_per_row > 0:
     out += vm.image_sources
@@ -313,13 +318,13 @@ class _ImageItems(Sequence):
 
   def __init__(self, data_dir: str, source: str, split: str):
     self.data_dir, self.source, self.split = data_dir, source, split
-    self._set: vision.ImageSet | None = None
-    self._n = vision.load_vision_manifest(data_dir).sources[source].splits[split]["items"]
+    self._set: ImageSet | None = None
+    self._n = load_vision_manifest(data_dir).sources[source].splits[split]["items"]
 
   @property
-  def items(self) -> vision.ImageSet:
+  def items(self) -> ImageSet:
     if self._set is None:
-      self._set = vision.load_vision_manifest(self.data_dir).images(self.source, self.split)
+      self._set = load_vision_manifest(self.data_dir).images(self.source, self.split)
     return self._set
 
   def __len__(self) -> int:
@@ -350,7 +355,7 @@ class _ImageExample:
       template, first = item["index"], False
     else:
       template, first = int(rng.integers(1 << 30)), bool(rng.random() < self.caption_first_prob)
-    text = vision.image_caption(self.source, item["label"], item["title"], item["keywords"], template)
+    text = image_caption(self.source, item["label"], item["title"], item["keywords"], template)
     spec = self.layout.spec
     pixels = image_to_pixels(item["pixels"], spec.height, spec.width)
     return _example(self.layout, "image", pixels, self.captioner.encode(text), first)
@@ -364,7 +369,7 @@ class _SpritePool:
   """The sprites of synthetic clips: items of some image sources' split, each with a caption noun phrase."""
 
   def __init__(self, data_dir: str, sources: Sequence[str], split: str):
-    vm = vision.load_vision_manifest(data_dir)
+    vm = load_vision_manifest(data_dir)
     self.data_dir, self.split = data_dir, split
     self.sources = [s for s in sources if s in vm.sources and vm.sources[s].kind == "image"]
     if not self.sources:
@@ -373,7 +378,7 @@ class _SpritePool:
     names, owner, local = [], [], []
     for k, s in enumerate(self.sources):
       items = vm.images(s, split)
-      phrases = [vision.item_phrase(s, int(l), str(t)) for l, t in zip(items.labels, items.titles)]
+      phrases = [item_phrase(s, int(l), str(t)) for l, t in zip(items.labels, items.titles)]
       # A sprite named by a direction ("upwards black arrow emoji") would blur the direction words of captions.
       keep = [i for i, p in enumerate(phrases) if not _DIRECTION_WORDS.search(p)]
       names += [phrases[i] for i in keep]
@@ -383,7 +388,7 @@ class _SpritePool:
       raise ValueError(f"sprite_sources {self.sources} have no {split} items")
     self.names = names
     self._owner, self._local = np.concatenate(owner), np.concatenate(local)
-    self._sets: list[vision.ImageSet] | None = None
+    self._sets: list[ImageSet] | None = None
 
   def __len__(self) -> int:
     return len(self.names)
@@ -394,7 +399,7 @@ class _SpritePool:
     become a tinted object whose opacity is the grey level, tinted to contrast with the background."""
     from PIL import Image
     if self._sets is None:
-      vm = vision.load_vision_manifest(self.data_dir)
+      vm = load_vision_manifest(self.data_dir)
       self._sets = [vm.images(s, self.split) for s in self.sources]
     item = self._sets[self._owner[i]].pixels[self._local[i]]
     if item.shape[-1] == 1:
@@ -418,17 +423,17 @@ class _SpritePool:
 class _VideoExample:
   """grain map: an int (the element's index) -> a synthetic clip element. The clip depends on (seed, index) only.
 
-  The motion is synthetic (vision.synthesize_clip): real images slide over a plain background."""
+  The motion is synthetic (motion.synthesize_clip): real images slide over a plain background."""
 
-  def __init__(self, layout: _Layout, captioner: _Captioner, sprites: _SpritePool, motion: vision.MotionConfig,
+  def __init__(self, layout: _Layout, captioner: _Captioner, sprites: _SpritePool, motion: MotionConfig,
                seed: int, caption_first_prob: float, fixed: bool = False):
     self.layout, self.captioner, self.sprites, self.motion = layout, captioner, sprites, motion
     self.seed, self.caption_first_prob, self.fixed = seed, caption_first_prob, fixed
 
-  def clip(self, index: int) -> vision.SyntheticClip:
+  def clip(self, index: int) -> SyntheticClip:
     spec = self.layout.spec
     rng = np.random.default_rng([self.seed, int(index)])
-    return vision.synthesize_clip(rng, self.sprites.names, self.sprites.sprite, spec.height, spec.width,
+    return synthesize_clip(rng, self.sprites.names, self.sprites.sprite, spec.height, spec.width,
                                   spec.num_frames, self.motion)
 
   def __call__(self, index: int) -> dict[str, np.ndarray]:
@@ -443,7 +448,7 @@ class _VideoExample:
 
 
 class _TextPiece:
-  """grain map: a text piece of pipeline._Pieces -> a packed-stream element without visual items."""
+  """grain map: a text piece of text_pipeline.train_pieces -> a packed-stream element without visual items."""
 
   def __init__(self, layout: _Layout):
     self.layout = layout
@@ -703,7 +708,7 @@ class _ExtraRowsIterDataset(grain.IterDataset):
 
 def _resolve_mm_weights(data_dir: str, spec: VisionSpec, mm_sources: Mapping[str, float] | None) -> dict[str, float]:
   available = list_mm_sources(data_dir, spec)
-  vm = vision.load_vision_manifest(data_dir)
+  vm = load_vision_manifest(data_dir)
   if mm_sources is None:
     weights = {s: DEFAULT_MM_WEIGHTS.get(s, 1.0) for s in available}
     if not weights:
@@ -727,13 +732,13 @@ def _resolve_mm_weights(data_dir: str, spec: VisionSpec, mm_sources: Mapping[str
 
 
 def _mm_examples(data_dir: str, layout: _Layout, *, seed: int, weights: Mapping[str, float],
-                 caption_first_prob: float, motion: vision.MotionConfig, sprite_sources: Sequence[str],
+                 caption_first_prob: float, motion: MotionConfig, sprite_sources: Sequence[str],
                  text_in_mm_rows: float, text_sources: Sequence[str] | None) -> grain.MapDataset:
   """The infinite, mixed MapDataset of multimodal train examples (before per-process slicing)."""
-  captioner = _Captioner(corpus.load_manifest(data_dir).tokenizer_path)
+  captioner = _Captioner(load_manifest(data_dir).tokenizer_path)
   parts, shares = [], []
   for i, (name, w) in enumerate(sorted(weights.items())):
-    part_seed = pipeline._seed32(seed, 7, i)
+    part_seed = seed32(seed, 7, i)
     if name == SYNTHETIC_VIDEO:
       pool = _SpritePool(data_dir, sprite_sources, "train")
       fn = _VideoExample(layout, captioner, pool, motion, part_seed, caption_first_prob)
@@ -748,7 +753,7 @@ def _mm_examples(data_dir: str, layout: _Layout, *, seed: int, weights: Mapping[
     shares.append(w)
   if text_in_mm_rows > 0:
     # Text pieces from a stream seeded apart from the main text rows, so the main text stream is untouched.
-    pieces = pipeline._train_pieces(data_dir, seq_len=layout.seq_len, seed=pipeline._seed32(seed, 11),
+    pieces = train_pieces(data_dir, seq_len=layout.seq_len, seed=seed32(seed, 11),
                                     sources=text_sources)
     parts.append(pieces.map(_TextPiece(layout)))
     total = sum(shares)
@@ -756,44 +761,11 @@ def _mm_examples(data_dir: str, layout: _Layout, *, seed: int, weights: Mapping[
   return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, shares)
 
 
-def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, global_batch_size: int, seed: int,
-                          vision_weight: float | Callable[[int], float] | None = None, vision_rows: int = 0,
-                          vision_start_step: int = 0, mm_sources: Mapping[str, float] | None = None, text_sources: Sequence[str] | None = None,
-                          text_source_weights: Mapping[str, float] | None = None, text_in_mm_rows: float = 0.0,
-                          caption_first_prob: float = 0.25, motion: vision.MotionConfig = vision.MotionConfig(),
-                          sprite_sources: Sequence[str] = DEFAULT_SPRITE_SOURCES, process_index: int = 0,
-                          process_count: int = 1, num_packing_bins: int | None = None, shuffle_bins: bool = True,
-                          num_workers: int = 0) -> grain.IterDataset:
-  """Infinite multimodal training batches (see the module docstring for the layout and the mixing).
-
-  Args:
-    data_dir: a directory prepared by `m3_jax.data.prepare` (text, tokenizer) and `prepare_vision`.
-    spec: the static visual shapes; see VisionSpec.
-    seq_len, global_batch_size, seed, process_index, process_count, num_packing_bins, shuffle_bins, text_sources,
-      text_source_weights: as in `pipeline.make_train_dataset`; the text rows are that pipeline's rows for the
-      same arguments (text_sources/text_source_weights are its sources/source_weights).
-    vision_weight: fraction of each batch's rows that are multimodal, in [0, 1]; a float, or a function of the
-      step (the number of batches this iterator has produced, restored from its state) for schedules. Default
-      (None): 0.5, or 0 with vision_rows > 0 (the two modes are exclusive).
-    vision_rows: > 0 appends this many multimodal rows (over all processes; a multiple of process_count) to the
-      global_batch_size text rows of every batch: vision is extra, the text rows are all of make_train_dataset's.
-    vision_start_step: with vision_rows > 0, the first step (batches produced so far) whose appended rows are
-      multimodal; before it they are padding rows.
-    mm_sources: {source: weight}, element shares of the multimodal examples; sources from `list_mm_sources`
-      (image sources and "synthetic_video"). Default: DEFAULT_MM_WEIGHTS over what is prepared and fits `spec`.
-    text_in_mm_rows: element share of plain text pieces packed into the multimodal rows (from a separately seeded
-      text stream, so the main text rows are unchanged); 0 packs multimodal rows with visual examples only.
-    caption_first_prob: probability that a caption precedes its image/video instead of following it.
-    motion: how synthetic clips move (vision.MotionConfig); sprite_sources: image sources their objects come from.
-    num_workers: > 0 builds the multimodal rows in that many worker processes (`mp_prefetch`); deterministic,
-      but resume with the same value.
-
-  Returns:
-    A `grain.IterDataset`; `it = iter(ds)` yields batch dicts ([B, L] text keys, visual keys per VisionSpec,
-    `text_row` bool [B]) with B = (global_batch_size + vision_rows) // process_count; `it.get_state()` /
-    `it.set_state(state)` resume exactly; `it.text_stream` is {"text_tokens", "text_hash"} so far.
-  """
-  pipeline._check_seq_len(seq_len)
+def _check_train_args(seq_len: int, global_batch_size: int, process_index: int, process_count: int,
+                      vision_weight: float | Callable[[int], float] | None, vision_rows: int, vision_start_step: int,
+                      text_in_mm_rows: float, caption_first_prob: float) -> float | Callable[[int], float]:
+  """Checks the arguments of `make_mm_train_dataset`; returns vision_weight with its default filled in."""
+  check_seq_len(seq_len)
   if not (isinstance(global_batch_size, (int, np.integer)) and global_batch_size >= 1):
     raise ValueError(f"global_batch_size={global_batch_size!r}: expected an int >= 1")
   if not (isinstance(process_count, (int, np.integer)) and process_count >= 1) or global_batch_size % process_count:
@@ -821,6 +793,49 @@ def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, glob
     raise ValueError(f"text_in_mm_rows={text_in_mm_rows}: expected a share in [0, 1)")
   if not 0.0 <= caption_first_prob <= 1.0:
     raise ValueError(f"caption_first_prob={caption_first_prob}: expected a probability")
+  return vision_weight
+
+
+def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, global_batch_size: int, seed: int,
+                          vision_weight: float | Callable[[int], float] | None = None, vision_rows: int = 0,
+                          vision_start_step: int = 0, mm_sources: Mapping[str, float] | None = None,
+                          text_sources: Sequence[str] | None = None,
+                          text_source_weights: Mapping[str, float] | None = None, text_in_mm_rows: float = 0.0,
+                          caption_first_prob: float = 0.25, motion: MotionConfig = MotionConfig(),
+                          sprite_sources: Sequence[str] = DEFAULT_SPRITE_SOURCES, process_index: int = 0,
+                          process_count: int = 1, num_packing_bins: int | None = None, shuffle_bins: bool = True,
+                          num_workers: int = 0) -> grain.IterDataset:
+  """Infinite multimodal training batches (see the module docstring for the layout and the mixing).
+
+  Args:
+    data_dir: a directory prepared by `m3_jax.data.prepare` (text, tokenizer) and `prepare_vision`.
+    spec: the static visual shapes; see VisionSpec.
+    seq_len, global_batch_size, seed, process_index, process_count, num_packing_bins, shuffle_bins, text_sources,
+      text_source_weights: as in `text_pipeline.make_train_dataset`; the text rows are that pipeline's rows for the
+      same arguments (text_sources/text_source_weights are its sources/source_weights).
+    vision_weight: fraction of each batch's rows that are multimodal, in [0, 1]; a float, or a function of the
+      step (the number of batches this iterator has produced, restored from its state) for schedules. Default
+      (None): 0.5, or 0 with vision_rows > 0 (the two modes are exclusive).
+    vision_rows: > 0 appends this many multimodal rows (over all processes; a multiple of process_count) to the
+      global_batch_size text rows of every batch: vision is extra, the text rows are all of make_train_dataset's.
+    vision_start_step: with vision_rows > 0, the first step (batches produced so far) whose appended rows are
+      multimodal; before it they are padding rows.
+    mm_sources: {source: weight}, element shares of the multimodal examples; sources from `list_mm_sources`
+      (image sources and "synthetic_video"). Default: DEFAULT_MM_WEIGHTS over what is prepared and fits `spec`.
+    text_in_mm_rows: element share of plain text pieces packed into the multimodal rows (from a separately seeded
+      text stream, so the main text rows are unchanged); 0 packs multimodal rows with visual examples only.
+    caption_first_prob: probability that a caption precedes its image/video instead of following it.
+    motion: how synthetic clips move (MotionConfig); sprite_sources: image sources their objects come from.
+    num_workers: > 0 builds the multimodal rows in that many worker processes (`mp_prefetch`); deterministic,
+      but resume with the same value.
+
+  Returns:
+    A `grain.IterDataset`; `it = iter(ds)` yields batch dicts ([B, L] text keys, visual keys per VisionSpec,
+    `text_row` bool [B]) with B = (global_batch_size + vision_rows) // process_count; `it.get_state()` /
+    `it.set_state(state)` resume exactly; `it.text_stream` is {"text_tokens", "text_hash"} so far.
+  """
+  vision_weight = _check_train_args(seq_len, global_batch_size, process_index, process_count, vision_weight,
+                                    vision_rows, vision_start_step, text_in_mm_rows, caption_first_prob)
   layout = _Layout(spec, int(seq_len))
   weights = _resolve_mm_weights(data_dir, spec, mm_sources)
   _check_fits(layout, ["video" if s == SYNTHETIC_VIDEO else "image" for s in weights])
@@ -832,29 +847,22 @@ def make_mm_train_dataset(data_dir: str, *, spec: VisionSpec, seq_len: int, glob
     raise ValueError(f"num_packing_bins={num_packing_bins!r}: expected >= 1")
   read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=max(16, 4 * local))
 
-  # Text rows: the rows of pipeline.make_train_dataset (same pieces, seeds and packing), unbatched.
-  text = pipeline._train_pieces(data_dir, seq_len=seq_len, seed=seed, sources=text_sources,
-                                source_weights=text_source_weights, process_index=process_index,
-                                process_count=process_count)
-  text_rows = pipeline._pack(text.to_iter_dataset(read), seq_len, bins, pipeline._seed32(seed, process_index, 1),
-                             shuffle_bins)
+  # Text rows: the rows of text_pipeline.make_train_dataset (same pieces, seeds and packing), unbatched.
+  text = train_pieces(data_dir, seq_len=seq_len, seed=seed, sources=text_sources, source_weights=text_source_weights,
+                      process_index=process_index, process_count=process_count)
+  text_rows = pack_pieces(text.to_iter_dataset(read), seq_len, bins, seed32(seed, process_index, 1), shuffle_bins)
 
   mm = _mm_examples(data_dir, layout, seed=seed, weights=weights, caption_first_prob=caption_first_prob,
                     motion=motion, sprite_sources=sprite_sources, text_in_mm_rows=text_in_mm_rows,
                     text_sources=text_sources)
   mm = mm[process_index::process_count]
-  mm_rows = _pack_mm(mm.to_iter_dataset(read), layout, bins, pipeline._seed32(seed, process_index, 2), shuffle_bins)
+  mm_rows = _pack_mm(mm.to_iter_dataset(read), layout, bins, seed32(seed, process_index, 2), shuffle_bins)
   if num_workers:
-    from absl import flags  # grain's workers read absl flags; a script without absl.app.run never parsed them
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-    mm_rows = mm_rows.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(num_workers)))
+    mm_rows = mp_prefetch(mm_rows, num_workers)
   if vision_rows:
-    mixed = _ExtraRowsIterDataset(text_rows, mm_rows, local, vision_rows // process_count, int(vision_start_step),
-                                  layout)
-  else:
-    mixed = _RowMixIterDataset(text_rows, mm_rows, local, vision_weight, layout)
-  return mixed
+    return _ExtraRowsIterDataset(text_rows, mm_rows, local, vision_rows // process_count, int(vision_start_step),
+                                 layout)
+  return _RowMixIterDataset(text_rows, mm_rows, local, vision_weight, layout)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -867,11 +875,11 @@ class _ClipWindow:
 
   def __init__(self, layout: _Layout, captioner: _Captioner, data_dir: str):
     self.layout, self.captioner, self.data_dir = layout, captioner, data_dir
-    self._clips: vision.ClipSet | None = None
+    self._clips: ClipSet | None = None
 
   def __call__(self, window: tuple[int, int]) -> dict[str, np.ndarray]:
     if self._clips is None:
-      self._clips = vision.load_vision_manifest(self.data_dir).clips()
+      self._clips = load_vision_manifest(self.data_dir).clips()
     spec = self.layout.spec
     clip, start = window
     frames = self._clips.clip(clip)[start:start + spec.num_frames]
@@ -886,7 +894,7 @@ class _ClipWindow:
 
 def make_mm_eval_batches(data_dir: str, source: str, *, spec: VisionSpec, seq_len: int, batch_size: int,
                          max_batches: int | None = None, split: str = "heldout", num_clips: int = 256,
-                         max_windows_per_clip: int = 8, seed: int = 0, motion: vision.MotionConfig = vision.MotionConfig(),
+                         max_windows_per_clip: int = 8, seed: int = 0, motion: MotionConfig = MotionConfig(),
                          sprite_sources: Sequence[str] = DEFAULT_SPRITE_SOURCES) -> list[dict[str, np.ndarray]]:
   """A fixed, finite list of packed batches of one multimodal source (same list on every call).
 
@@ -899,13 +907,13 @@ def make_mm_eval_batches(data_dir: str, source: str, *, spec: VisionSpec, seq_le
   video), so one jitted eval step serves all. The last batch is padded with empty rows (all-zero loss_mask, no
   valid items). Summing loss x loss_mask over all batches / sum(loss_mask) is the source's caption loss.
   """
-  pipeline._check_seq_len(seq_len)
+  check_seq_len(seq_len)
   if not (isinstance(batch_size, (int, np.integer)) and batch_size >= 1):
     raise ValueError(f"batch_size={batch_size!r}: expected an int >= 1")
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches={max_batches!r}: expected None or >= 1")
-  vm = vision.load_vision_manifest(data_dir)
-  captioner = _Captioner(corpus.load_manifest(data_dir).tokenizer_path)
+  vm = load_vision_manifest(data_dir)
+  captioner = _Captioner(load_manifest(data_dir).tokenizer_path)
   known = list_mm_sources(data_dir) + [s for s in EVAL_ONLY_SOURCES if s in vm.sources]
   if source not in known:
     why = f" (skipped when prepared: {vm.skipped[source]})" if source in vm.skipped else ""
@@ -917,7 +925,7 @@ def make_mm_eval_batches(data_dir: str, source: str, *, spec: VisionSpec, seq_le
       raise ValueError(f"source {source!r} needs videos but spec has max_videos_per_row=0")
     motion.validate(spec.height, spec.width, spec.num_frames)
     pool = _SpritePool(data_dir, sprite_sources, split)
-    fn = _VideoExample(layout, captioner, pool, motion, pipeline._seed32(seed, 13), 0.0, fixed=True)
+    fn = _VideoExample(layout, captioner, pool, motion, seed32(seed, 13), 0.0, fixed=True)
     ds = grain.MapDataset.range(int(num_clips)).map(fn)
   elif source in EVAL_ONLY_SOURCES:
     if not spec.max_videos_per_row:

@@ -6,19 +6,20 @@
     save(model, config, out_dir)               # HF's text layout; load(out_dir) gives the same model back
 
 config.json: the text-only `minimax_m3_vl_text` layout or the full `minimax_m3_vl` one (its `text_config`), with the
-legacy names HF 5.23's `MiniMaxM3VLTextConfig` maps (`sparse_attention_config`, `moe_layer_freq`, `num_experts`,
-top-level `rope_theta` / `partial_rotary_factor`, `rope_scaling`), resolved exactly as HF resolves them.
+legacy names HF 5.23's `MiniMaxM3VLTextConfig` maps, resolved exactly as HF resolves them (m3_jax/models/hf_config.py).
 
 Tensors: one `model.safetensors` or a sharded set (`model.safetensors.index.json`), in any of three name layouts:
   hf       `model.*` + `lm_head.weight`: what `MiniMaxM3VLForCausalLM.save_pretrained` writes (the canonical names);
   hf_vl    `model.language_model.*`: the VL model's text tower as HF holds it in memory;
   minimax  `language_model.model.*`: MiniMax's release layout, which HF 5.23 also writes for the VL model
            (`block_sparse_moe`, per-expert w1/w3/w2, split gate_proj/up_proj, `index_{q,k}_proj`).
-A `minimax_m3_vl` checkpoint loads as the VL model (`hf_vision.load`, which reads its text tower through this file);
-`text_only=True` loads just the text tower and drops the vision tensors explicitly (never silently).
+A `minimax_m3_vl` checkpoint loads as the VL model (this file reads its text tower, `hf_vision.load_vision` adds the
+vision tower and projector); `text_only=True` loads just the text tower and drops the vision tensors explicitly
+(never silently).
 
 Our parameters are laid out for einsum and sharding ([in, heads, head_dim], gate/up on their own axis); HF's are
-torch Linear [out, in]. Every tensor has one `Rule` giving both directions, so load and save are exact inverses.
+torch Linear [out, in]. Every tensor has one `Rule` (interop/rules.py) giving both directions, so load and save are
+exact inverses.
 Loading streams tensor by tensor onto the target shardings: with a mesh, each device's shard is sliced out of the
 memory-mapped file, so no host ever holds the whole model (and, in the hf layouts, not even a whole tensor).
 """
@@ -37,83 +38,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from m3_jax.interop import safetensors_io
-from m3_jax.models.config import TextConfig
+from m3_jax.core.sharding import state_shardings
+from m3_jax.interop import hf_vision, safetensors_io
+from m3_jax.interop.rules import Rule, get_path, linear, linear_out, same, set_path, transpose_last2
+from m3_jax.models.attention import attention_class
+from m3_jax.models.attention.msa import MSAAttention
+from m3_jax.models.config import MLP_DENSE, TextConfig, VLConfig
+from m3_jax.models.hf_config import hf_config_dict, resolve_text_config
+from m3_jax.models.multimodal import VLModel
 from m3_jax.models.transformer import TextModel
 
 # Keys HF itself drops on load (multi-token-prediction heads are not part of the causal LM).
 IGNORED = (re.compile(r"(^|\.)mtp\."),)
-# Vision tower / projector tensors of a `minimax_m3_vl` checkpoint (both the release and HF's in-memory names).
-VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
 LAYOUTS = ("hf", "hf_vl", "minimax")
-MODEL_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
-HF_DEFAULT_THETA = 5_000_000.0  # MiniMaxM3VLTextConfig.default_theta
 
 
 # ---- config.json ------------------------------------------------------------------------------------------------
-
-# TextConfig fields that come from config.json under the same name (HF's class defaults equal ours for all of
-# them; layer_types, mlp_layer_types, rotary_dim and rope_theta are resolved below).
-_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "rms_norm_eps", "dense_intermediate_size", "intermediate_size", "shared_intermediate_size",
-              "num_local_experts", "num_experts_per_tok", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit",
-              "tie_word_embeddings", "initializer_range", "index_n_heads", "index_head_dim", "index_block_size",
-              "index_topk_blocks", "index_local_blocks", "router_aux_loss_coef")
-_LEGACY_SPARSE = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
-                  "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
-                  "index_local_blocks": "sparse_local_block"}
-
-
-def _text_part(raw: dict, where: str) -> dict:
-  mt = raw.get("model_type")
-  if mt not in MODEL_TYPES + (None,):
-    raise ValueError(f"{where}: model_type {mt!r} is not a MiniMax-M3 model; expected one of {MODEL_TYPES}")
-  if mt == "minimax_m3_vl" or "text_config" in raw:
-    return dict(raw.get("text_config") or {})  # HF builds the text config from class defaults when it is null
-  return dict(raw)
-
-
-def resolve_text_config(raw: dict, where: str = "config.json") -> dict:
-  """The text model's settings as HF 5.23 resolves them (MiniMaxM3VLTextConfig.__post_init__ and the RoPE
-  standardisation of PreTrainedConfig), as TextConfig keyword arguments."""
-  t = _text_part(raw, where)
-  if "num_experts" in t:  # HF's attribute_map alias
-    if "num_local_experts" in t and t["num_local_experts"] != t["num_experts"]:
-      raise ValueError(f"{where}: num_experts={t['num_experts']} and num_local_experts={t['num_local_experts']} "
-                       "disagree")
-    t["num_local_experts"] = t.pop("num_experts")
-  kw = {k: t[k] for k in _HF_FIELDS if k in t and t[k] is not None}
-  # The legacy block overrides the flat index_* fields (HF applies it after the dataclass fields).
-  legacy = t.get("sparse_attention_config") or {}
-  for ours, theirs in _LEGACY_SPARSE.items():
-    if theirs in legacy:
-      kw[ours] = legacy[theirs]
-  n = int(kw.get("num_hidden_layers", TextConfig.num_hidden_layers))
-  layer_types = t.get("layer_types")
-  if layer_types is None and "sparse_attention_freq" in legacy:
-    layer_types = ["minimax_m3_sparse" if f else "full_attention" for f in legacy["sparse_attention_freq"]]
-  kw["layer_types"] = layer_types if layer_types is not None else ["full_attention"] * n
-  mlp_types = t.get("mlp_layer_types")
-  if mlp_types is None and t.get("moe_layer_freq") is not None:
-    mlp_types = ["sparse" if f else "dense" for f in t["moe_layer_freq"]]
-  kw["mlp_layer_types"] = mlp_types if mlp_types is not None else ["sparse"] * n
-  # RoPE: `rope_scaling` (legacy) replaces rope_parameters; top-level rope_theta / partial_rotary_factor only fill
-  # what the dict lacks. HF's modeling code reads the rotated width from partial_rotary_factor alone (a missing
-  # factor rotates the whole head; the `rotary_dim` field is never read), so we follow what HF computes.
-  rope = dict(t.get("rope_scaling") or t.get("rope_parameters") or {})
-  if any(isinstance(v, dict) for v in rope.values()):
-    raise ValueError(f"{where}: per-layer-type rope_parameters {sorted(rope)} are not supported by MiniMax-M3")
-  rope.setdefault("rope_theta", t.get("rope_theta", HF_DEFAULT_THETA))
-  if t.get("partial_rotary_factor") is not None:
-    rope.setdefault("partial_rotary_factor", t["partial_rotary_factor"])
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
-    raise ValueError(f"{where}: rope_type {rope_type!r} is not supported; MiniMax-M3 uses 'default' RoPE")
-  head_dim = int(kw.get("head_dim", TextConfig.head_dim))
-  kw["rotary_dim"] = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
-  kw["rope_theta"] = float(rope["rope_theta"])
-  return kw
-
 
 def _stored_dtype(raw: dict) -> str | None:
   for d in (raw.get("text_config") or {}, raw):
@@ -140,36 +80,7 @@ def _raw_config(path: str | dict) -> tuple[dict, str]:
     return json.load(f), file
 
 
-def hf_config_dict(cfg: TextConfig) -> dict:
-  """config.json for a text model (HF field names; partial_rotary_factor is what HF's code reads)."""
-  d = {k: getattr(cfg, k) for k in _HF_FIELDS}
-  d.update(layer_types=list(cfg.layer_types), mlp_layer_types=list(cfg.mlp_layer_types), rotary_dim=cfg.rotary_dim,
-           rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim},
-           model_type="minimax_m3_vl_text", architectures=["MiniMaxM3VLForCausalLM"], dtype=cfg.param_dtype)
-  return d
-
-
 # ---- tensor rules -----------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-  ours: tuple  # path in nnx.to_pure_dict(state)
-  hf: str  # canonical name (the `hf` layout)
-  hf_shape: tuple[int, ...]
-  to_ours: Callable[[np.ndarray], np.ndarray]  # numpy views only: slicing the result reads only that slice
-  to_hf: Callable[[np.ndarray], np.ndarray]
-
-
-def _linear(d: int, *out: int) -> tuple[Callable, Callable]:
-  """HF [prod(out), d] <-> ours [d, *out] (q/k/v projections, index projections)."""
-  return (lambda w: w.T.reshape(d, *out)), (lambda w: w.reshape(d, -1).T)
-
-
-def _out_proj(hq: int, hd: int) -> tuple[Callable, Callable]:
-  """HF [d, Hq * D] <-> ours [Hq, D, d] (o_proj)."""
-  return (lambda w: w.T.reshape(hq, hd, -1)), (lambda w: w.reshape(hq * hd, -1).T)
-
 
 def _gate_up(d: int, i: int) -> tuple[Callable, Callable]:
   """HF [2I, d] (gate rows first) <-> ours [d, 2, I]."""
@@ -182,51 +93,58 @@ def _experts_gate_up(e: int, d: int, i: int) -> tuple[Callable, Callable]:
          (lambda w: w.transpose(0, 2, 3, 1).reshape(e, 2 * i, d))
 
 
-def _same():
-  return (lambda w: w), (lambda w: w)
+def _rule(ours: tuple, hf: str, hf_shape: tuple[int, ...], maps: tuple) -> Rule:
+  return Rule(ours, hf, *maps, hf_shape=hf_shape)
 
 
-def _transpose_last2():
-  return (lambda w: np.swapaxes(w, -1, -2)), (lambda w: np.swapaxes(w, -1, -2))
+def _attention_rules(cfg: TextConfig, layer_type: str, p: str, L: tuple) -> list[Rule]:
+  """Layer `L`'s attention (HF names under `p`); MSA layers add their indexer."""
+  d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  A, a = L + ("self_attn",), p + "self_attn."
+  out = [_rule(A + ("q_proj",), a + "q_proj.weight", (hq * hd, d), linear(d, hq, hd)),
+         _rule(A + ("k_proj",), a + "k_proj.weight", (hkv * hd, d), linear(d, hkv, hd)),
+         _rule(A + ("v_proj",), a + "v_proj.weight", (hkv * hd, d), linear(d, hkv, hd)),
+         _rule(A + ("o_proj",), a + "o_proj.weight", (d, hq * hd), linear_out(hq, hd, d)),
+         _rule(A + ("q_norm", "weight"), a + "q_norm.weight", (hd,), same()),
+         _rule(A + ("k_norm", "weight"), a + "k_norm.weight", (hd,), same())]
+  if issubclass(attention_class(layer_type), MSAAttention):
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    IX, ix = A + ("indexer",), a + "indexer."
+    out += [_rule(IX + ("q_proj",), ix + "q_proj.weight", (hi * di, d), linear(d, hi, di)),
+            _rule(IX + ("k_proj",), ix + "k_proj.weight", (di, d), linear(d, di)),
+            _rule(IX + ("q_norm", "weight"), ix + "q_norm.weight", (di,), same()),
+            _rule(IX + ("k_norm", "weight"), ix + "k_norm.weight", (di,), same())]
+  return out
+
+
+def _mlp_rules(cfg: TextConfig, mlp_type: str, p: str, L: tuple) -> list[Rule]:
+  """Layer `L`'s dense MLP or MoE (router, its bias, stacked experts, shared expert)."""
+  d, M = cfg.hidden_size, L + ("mlp",)
+  if mlp_type == MLP_DENSE:
+    di = cfg.dense_intermediate_size
+    return [_rule(M + ("gate_up",), p + "mlp.gate_up_proj.weight", (2 * di, d), _gate_up(d, di)),
+            _rule(M + ("down",), p + "mlp.down_proj.weight", (d, di), transpose_last2())]
+  e, i, si = cfg.num_local_experts, cfg.intermediate_size, cfg.shared_intermediate_size
+  return [_rule(M + ("router",), p + "mlp.gate.weight", (e, d), transpose_last2()),
+          _rule(M + ("e_score_correction_bias",), p + "mlp.gate.e_score_correction_bias", (e,), same()),
+          _rule(M + ("gate_up",), p + "mlp.experts.gate_up_proj", (e, 2 * i, d), _experts_gate_up(e, d, i)),
+          _rule(M + ("down",), p + "mlp.experts.down_proj", (e, d, i), transpose_last2()),
+          _rule(M + ("shared", "gate_up"), p + "mlp.shared_experts.gate_up_proj.weight", (2 * si, d),
+                _gate_up(d, si)),
+          _rule(M + ("shared", "down"), p + "mlp.shared_experts.down_proj.weight", (d, si), transpose_last2())]
 
 
 def rules(cfg: TextConfig) -> list[Rule]:
   """One rule per tensor of the text model, in canonical (`hf` layout) names."""
-  d, hq, hkv, hd, v = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
-  out = [Rule(("embed_tokens",), "model.embed_tokens.weight", (v, d), *_same()),
-         Rule(("norm", "weight"), "model.norm.weight", (d,), *_same()),
-         Rule(("lm_head",), "lm_head.weight", (v, d), *_transpose_last2())]
+  d, v = cfg.hidden_size, cfg.vocab_size
+  out = [_rule(("embed_tokens",), "model.embed_tokens.weight", (v, d), same()),
+         _rule(("norm", "weight"), "model.norm.weight", (d,), same()),
+         _rule(("lm_head",), "lm_head.weight", (v, d), transpose_last2())]
   for li, (lt, mt) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
     p, L = f"model.layers.{li}.", ("layers", li)
-    out += [Rule(L + ("input_layernorm", "weight"), p + "input_layernorm.weight", (d,), *_same()),
-            Rule(L + ("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", (d,), *_same()),
-            Rule(L + ("self_attn", "q_proj"), p + "self_attn.q_proj.weight", (hq * hd, d), *_linear(d, hq, hd)),
-            Rule(L + ("self_attn", "k_proj"), p + "self_attn.k_proj.weight", (hkv * hd, d), *_linear(d, hkv, hd)),
-            Rule(L + ("self_attn", "v_proj"), p + "self_attn.v_proj.weight", (hkv * hd, d), *_linear(d, hkv, hd)),
-            Rule(L + ("self_attn", "o_proj"), p + "self_attn.o_proj.weight", (d, hq * hd), *_out_proj(hq, hd)),
-            Rule(L + ("self_attn", "q_norm", "weight"), p + "self_attn.q_norm.weight", (hd,), *_same()),
-            Rule(L + ("self_attn", "k_norm", "weight"), p + "self_attn.k_norm.weight", (hd,), *_same())]
-    if lt == "minimax_m3_sparse":
-      hi, di = cfg.index_n_heads, cfg.index_head_dim
-      ix, IX = p + "self_attn.indexer.", L + ("self_attn", "indexer")
-      out += [Rule(IX + ("q_proj",), ix + "q_proj.weight", (hi * di, d), *_linear(d, hi, di)),
-              Rule(IX + ("k_proj",), ix + "k_proj.weight", (di, d), *_linear(d, di)),
-              Rule(IX + ("q_norm", "weight"), ix + "q_norm.weight", (di,), *_same()),
-              Rule(IX + ("k_norm", "weight"), ix + "k_norm.weight", (di,), *_same())]
-    M = L + ("mlp",)
-    if mt == "dense":
-      di = cfg.dense_intermediate_size
-      out += [Rule(M + ("gate_up",), p + "mlp.gate_up_proj.weight", (2 * di, d), *_gate_up(d, di)),
-              Rule(M + ("down",), p + "mlp.down_proj.weight", (d, di), *_transpose_last2())]
-    else:
-      e, i, si = cfg.num_local_experts, cfg.intermediate_size, cfg.shared_intermediate_size
-      out += [Rule(M + ("router",), p + "mlp.gate.weight", (e, d), *_transpose_last2()),
-              Rule(M + ("e_score_correction_bias",), p + "mlp.gate.e_score_correction_bias", (e,), *_same()),
-              Rule(M + ("gate_up",), p + "mlp.experts.gate_up_proj", (e, 2 * i, d), *_experts_gate_up(e, d, i)),
-              Rule(M + ("down",), p + "mlp.experts.down_proj", (e, d, i), *_transpose_last2()),
-              Rule(M + ("shared", "gate_up"), p + "mlp.shared_experts.gate_up_proj.weight", (2 * si, d),
-                   *_gate_up(d, si)),
-              Rule(M + ("shared", "down"), p + "mlp.shared_experts.down_proj.weight", (d, si), *_transpose_last2())]
+    out += [_rule(L + ("input_layernorm", "weight"), p + "input_layernorm.weight", (d,), same()),
+            _rule(L + ("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", (d,), same())]
+    out += _attention_rules(cfg, lt, p, L) + _mlp_rules(cfg, mt, p, L)
   return out
 
 
@@ -365,22 +283,10 @@ class LoadPlan:
     """The model with ShapeDtypeStruct leaves that carry their target shardings (nothing is allocated)."""
     pure = nnx.to_pure_dict(self.state)
     for e in self.entries:
-      _set(pure, e.rule.ours, jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=e.sharding))
+      set_path(pure, e.rule.ours, jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=e.sharding))
     state = jax.tree.map(lambda x: x, self.state)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(self.graphdef, state)
-
-
-def _get(tree: dict, path: tuple):
-  for k in path:
-    tree = tree[k]
-  return tree
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-  for k in path[:-1]:
-    tree = tree[k]
-  tree[path[-1]] = value
 
 
 def plan(cfg: TextConfig, mesh=None, *, layout: str = "hf") -> LoadPlan:
@@ -391,7 +297,6 @@ def plan(cfg: TextConfig, mesh=None, *, layout: str = "hf") -> LoadPlan:
   flat = {k: v for k, v in nnx.to_flat_state(state)}
   shardings = None
   if mesh is not None:
-    from m3_jax.core.sharding import state_shardings  # noqa: PLC0415
     shardings = {k: v for k, v in nnx.to_flat_state(state_shardings(state, mesh))}
   entries, seen = [], set()
   for r in rules(cfg):
@@ -419,9 +324,9 @@ def _check_names(path: str, entries: list[PlanEntry], shapes: dict[str, tuple], 
   """One error listing every missing, unexpected, mis-shaped and non-float tensor."""
   expected = {n: (s, e) for e in entries for n, s in e.source.parts}
   missing = [n for n in expected if n not in shapes]
-  vision = [n for n in shapes if VISION.search(n)]
+  vision = [n for n in shapes if hf_vision.VISION_NAMES.search(n)]
   unexpected = sorted(n for n in shapes if n not in expected and not any(p.search(n) for p in IGNORED)
-                      and not (text_only and VISION.search(n)))
+                      and not (text_only and hf_vision.VISION_NAMES.search(n)))
   misshaped = [f"{n} has shape {tuple(shapes[n])}, expected {tuple(s)} (for our {e.ours} of shape {e.shape})"
                for n, (s, e) in expected.items() if n in shapes and tuple(shapes[n]) != tuple(s)]
   dtypes = dtypes or {}
@@ -471,30 +376,37 @@ def load_plan(path: str, dtype: str | None = None, mesh=None, *, text_only: bool
   return p
 
 
+def _is_vl(raw: dict) -> bool:
+  return raw.get("model_type") == "minimax_m3_vl" or "text_config" in raw
+
+
 def load(path: str, dtype: str | None = None, mesh=None, *, text_only: bool = False, abstract: bool = False,
-         **overrides) -> tuple[TextModel, TextConfig]:
+         vision_overrides: dict | None = None, **overrides) -> tuple[TextModel | VLModel, TextConfig | VLConfig]:
   """Loads an HF MiniMax-M3 checkpoint directory. Returns (model, config); `model(input_ids)` with input_ids an
   int array [B, T] gives (logits [B, T, vocab] f32, aux). A `minimax_m3_vl` checkpoint gives the VL model and its
-  VLConfig (`m3_jax.interop.hf_vision.load`), which also takes the visual inputs; text_only=True its text tower.
+  VLConfig (the vision tower and projector from `hf_vision.load_vision`), which also takes the visual inputs;
+  text_only=True its text tower.
 
   dtype: parameter and compute dtype (None: config.json's `dtype`, i.e. the stored precision, as HF's
-    dtype="auto"; float32 if the file names none).
+    dtype="auto"; float32 if the file names none). The vision tower of a VL checkpoint takes the same.
   mesh: place every tensor straight onto its sharding on this mesh (each device reads only its shard).
   text_only: load the text tower of a `minimax_m3_vl` checkpoint, dropping its vision tensors.
   abstract: read config.json and the safetensors headers only; the model's leaves are ShapeDtypeStructs carrying
     the shardings they would be loaded onto (`load_plan` gives the per-tensor table). Works on a shape-only
     checkpoint (`abstract_checkpoint`).
+  vision_overrides: VisionConfig fields of a VL checkpoint, e.g. {"max_frames": 2}.
   overrides: TextConfig fields (attention_impl, moe_impl, param_dtype, ...).
   """
   raw, _ = _raw_config(path)
-  if not text_only and (raw.get("model_type") == "minimax_m3_vl" or "text_config" in raw):
+  vl = not text_only and _is_vl(raw)
+  if vision_overrides and not vl:
+    raise ValueError(f"{path}: vision_overrides={vision_overrides} given, but the text tower only is loaded "
+                     f"(text_only={text_only}, model_type={raw.get('model_type')!r})")
+  if vl:
     if abstract:
       raise ValueError(f"{path}: abstract=True plans the text tower only; pass text_only=True")
-    from m3_jax.interop import hf_vision  # noqa: PLC0415  (the VL loader reads its text tower through us)
-    dt = dtype or _stored_dtype(raw)
-    return hf_vision.load(path, mesh=mesh, text_overrides={**({"dtype": jnp.dtype(dt).name,
-                                                                "param_dtype": jnp.dtype(dt).name} if dt else {}),
-                                                             **overrides})
+    text_model, text_cfg = load(path, dtype, mesh, text_only=True, **overrides)
+    return hf_vision.load_vision(path, raw, text_model, text_cfg, mesh=mesh, vision_overrides=vision_overrides)
   p = load_plan(path, dtype, mesh, text_only=text_only, **overrides)
   if abstract:
     return p.abstract_model(), p.config
@@ -503,7 +415,7 @@ def load(path: str, dtype: str | None = None, mesh=None, *, text_only: bool = Fa
   for e in p.entries:
     view = e.rule.to_ours(_canonical(ckpt, e.source))
     assert tuple(view.shape) == e.shape, (e.rule.hf, view.shape, e.shape)
-    _set(pure, e.rule.ours, _place(view, e.dtype, e.sharding))
+    set_path(pure, e.rule.ours, _place(view, e.dtype, e.sharding))
   nnx.replace_by_pure_dict(p.state, pure)
   return nnx.merge(p.graphdef, p.state), p.config
 
@@ -554,7 +466,7 @@ def save(model: TextModel, config: TextConfig, path: str, *, dtype: str | None =
   pure = nnx.to_pure_dict(nnx.state(model))
   tensors = []
   for r in rules(config):
-    arr = np.asarray(jax.device_get(_get(pure, r.ours)))
+    arr = np.asarray(jax.device_get(get_path(pure, r.ours)))
     if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
       arr = arr.astype(jnp.dtype(dtype))
     hf_arr = np.ascontiguousarray(r.to_hf(arr))

@@ -5,10 +5,10 @@ bytes each device holds, from a shape-only checkpoint on fake CPU devices (nothi
   python -m m3_jax.interop.plan --config=configs/m3.py:fsdp=8,tensor=8,expert=2 --devices=128
   python -m m3_jax.interop.plan --config=configs/m3.py --checkpoint=/path/to/MiniMax-M3   # a real directory
 
-The model comes from --config (`config.model`, as `--mode=aot` uses it) or, with --checkpoint, from that directory's
-config.json and safetensors headers; the mesh layout from `config.mesh` (with --devices, `data` takes what the
-other axes leave). For each --dtypes entry the plan is `hf.load(..., abstract=True)` on the shape-only checkpoint:
-it prints a table per tensor kind and writes the full per-tensor map as JSON (default
+The model comes from --config (`TextConfig.from_dict(config.model)`, the model `--mode=aot` compiles) or, with
+--checkpoint, from that directory's config.json and safetensors headers; the mesh layout from `config.mesh` (with
+--devices, `data` takes what the other axes leave). For each --dtypes entry the plan is `hf.load(..., abstract=True)`
+on the shape-only checkpoint: it prints a table per tensor kind and writes the full per-tensor map as JSON (default
 experiments/results/m3_load_plan_<devices>dev.json).
 """
 
@@ -29,6 +29,16 @@ _DTYPES = flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "parameter dtypes
 _OUT = flags.DEFINE_string("out", None, "JSON output (default experiments/results/m3_load_plan_<devices>dev.json)")
 
 MiB, GiB = 2**20, 2**30
+
+
+def fake_cpu_devices(n: int) -> None:
+  """n CPU devices for planning. Must run before JAX starts its backend (the first jax.devices() call), which is
+  when XLA reads XLA_FLAGS."""
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
+  import jax  # noqa: PLC0415
+  jax.config.update("jax_platforms", "cpu")
 
 
 def kind_rows(p) -> list[dict]:
@@ -77,12 +87,12 @@ def main(argv):
   n = int(_DEVICES.value or config.get("aot_devices", 0) or 0)
   if n <= 0:
     raise app.UsageError("--devices is required (the config has no aot_devices)")
-  from m3_jax.train.aot import fake_devices  # noqa: PLC0415
-  fake_devices(n)
+  fake_cpu_devices(n)  # before anything can start JAX's backend: the imports below come after it
   import jax  # noqa: PLC0415
+  from m3_jax.core import sharding  # noqa: PLC0415
   from m3_jax.interop import hf  # noqa: PLC0415
-  from m3_jax.models.config import param_count  # noqa: PLC0415
-  from m3_jax.train import config_lib, sharding  # noqa: PLC0415
+  from m3_jax.models.config import TextConfig  # noqa: PLC0415
+  from m3_jax.models.flops import param_count  # noqa: PLC0415
   if jax.device_count() < n:
     raise RuntimeError(f"{n} devices requested but JAX started with {jax.device_count()}")
   shape = dict(config.mesh)
@@ -93,10 +103,10 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     path = _CKPT.value
     if path is None:
-      cfg = config_lib.model_config(config)
+      cfg = TextConfig.from_dict(config.model.to_dict())
       path = os.path.join(tmp, "m3_shape_only")
       hf.abstract_checkpoint(cfg, path, layout=_LAYOUT.value)
-      out["checkpoint"] = f"shape-only, {_LAYOUT.value} layout, from {config_lib.__name__}.model_config(--config)"
+      out["checkpoint"] = f"shape-only, {_LAYOUT.value} layout, from TextConfig.from_dict(--config's model)"
     else:
       out["checkpoint"] = path
     text_only = _LAYOUT.value != "hf" and _CKPT.value is None

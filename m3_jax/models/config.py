@@ -1,19 +1,26 @@
 """Typed model configuration for the M3 text tower, the vision tower and the VL model.
 
 Field names follow HF transformers' `MiniMaxM3VLTextConfig` so that a real `config.json` maps 1:1 onto
-`TextConfig.from_hf_dict`. Modules receive this dataclass (or the pieces they need), never the whole
-ml_collections experiment config.
+`TextConfig.from_hf_dict` (resolved in models/hf_config.py). Modules receive typed dims read from this dataclass
+(e.g. `AttentionDims.from_config`), never the whole ml_collections experiment config. Parameter and FLOP counts are
+in models/flops.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Sequence
+from typing import Any
 
-LAYER_TYPES = ("full_attention", "minimax_m3_sparse")
-MLP_LAYER_TYPES = ("dense", "sparse")
-ATTENTION_IMPLS = ("xla", "cudnn")
+from m3_jax.models.attention import LAYER_TYPES
+from m3_jax.models.attention.dense import ATTENTION_IMPLS
+from m3_jax.models.hf_config import resolve_text_config
+
+# mlp_layer_types values. "sparse" is HF's name for a MoE MLP layer; we keep it (not "moe") so that HF configs, our
+# exported model_config.json files and the experiment configs all read the same word.
+MLP_DENSE = "dense"
+MLP_MOE = "sparse"
+MLP_LAYER_TYPES = (MLP_DENSE, MLP_MOE)
 MOE_IMPLS = ("ragged", "dense", "capacity")
 
 
@@ -41,7 +48,7 @@ class TextConfig:
   swiglu_alpha: float = 1.702
   swiglu_limit: float = 7.0
   layer_types: tuple[str, ...] = ("full_attention",) * 3 + ("minimax_m3_sparse",) * 57
-  mlp_layer_types: tuple[str, ...] = ("dense",) * 3 + ("sparse",) * 57
+  mlp_layer_types: tuple[str, ...] = (MLP_DENSE,) * 3 + (MLP_MOE,) * 57
   tie_word_embeddings: bool = False
   initializer_range: float = 0.02
   # MSA index branch (HF names); used by `minimax_m3_sparse` layers.
@@ -102,7 +109,7 @@ class TextConfig:
     for i, t in enumerate(self.mlp_layer_types):
       if t not in MLP_LAYER_TYPES:
         bad(f"mlp_layer_types[{i}]={t!r}; expected one of {MLP_LAYER_TYPES}")
-    if "sparse" in self.mlp_layer_types:
+    if MLP_MOE in self.mlp_layer_types:
       if not 0 < self.num_experts_per_tok <= self.num_local_experts:
         bad(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_local_experts="
             f"{self.num_local_experts}]")
@@ -115,10 +122,6 @@ class TextConfig:
     if self.tie_word_embeddings:
       bad("tie_word_embeddings=True is not supported: MiniMax-M3 has untied embeddings")
 
-  @property
-  def num_kv_groups(self) -> int:
-    return self.num_attention_heads // self.num_key_value_heads
-
   def replace(self, **kw) -> "TextConfig":
     return dataclasses.replace(self, **kw)
 
@@ -126,8 +129,7 @@ class TextConfig:
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any], **overrides) -> "TextConfig":
     """Builds from an HF `config.json` dict (text config, or a VL config's `text_config`), resolved exactly as HF
-    5.23 resolves it (legacy field names, RoPE precedence): one reader, in m3_jax.interop.hf."""
-    from m3_jax.interop.hf import resolve_text_config  # noqa: PLC0415 - interop imports this module
+    5.23 resolves it (legacy field names, RoPE precedence): one reader, models/hf_config.py."""
     kw = resolve_text_config(d)
     kw.update(overrides)
     return cls(**kw)
@@ -344,57 +346,3 @@ class VLConfig:
     if isinstance(d.get("vision"), dict):
       d["vision"] = VisionConfig.from_dict(d["vision"])
     return cls(**d)
-
-def layer_pattern(num_layers: int, first_dense: int, dense_kind: str, rest_kind: str) -> tuple[str, ...]:
-  """`first_dense` layers of `dense_kind` then `rest_kind`; M3 is (60, 3, full/dense, sparse/MSA)."""
-  return (dense_kind,) * min(first_dense, num_layers) + (rest_kind,) * max(0, num_layers - first_dense)
-
-
-def param_count(cfg: TextConfig) -> dict[str, int]:
-  """Closed-form parameter counts: total, and active per token (routed experts counted top-k times)."""
-  d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-  attn = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 2 * hd + d * 2  # q,k,v,o + q/k norms + 2 layer norms
-  index = d * cfg.index_n_heads * cfg.index_head_dim + d * cfg.index_head_dim + 2 * cfg.index_head_dim
-  total = active = 2 * cfg.vocab_size * d + d  # embed + lm_head + final norm
-  for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types):
-    a = attn + (index if lt == "minimax_m3_sparse" else 0)
-    total += a
-    active += a
-    if mt == "dense":
-      m = 3 * d * cfg.dense_intermediate_size
-      total += m
-      active += m
-    else:
-      expert = 3 * d * cfg.intermediate_size
-      shared = 3 * d * cfg.shared_intermediate_size
-      router = d * cfg.num_local_experts + cfg.num_local_experts
-      total += cfg.num_local_experts * expert + shared + router
-      active += cfg.num_experts_per_tok * expert + shared + router
-  return {"total": total, "active": active}
-
-
-def train_flops_per_token(cfg: TextConfig, seq_len: int) -> float:
-  """Model FLOPs per trained token (fwd + bwd = 3x fwd), the MFU numerator.
-
-  Matmul parameters count 6 FLOPs per token (embedding lookups excluded); causal attention adds
-  6 * 2 * T * Hq * D / 2 per layer per token (QK^T and PV, halved by the causal mask), as in the PaLM appendix.
-  MSA layers count only their selected tokens (min(T, topk * block)) plus the index scoring.
-  """
-  counts = param_count(cfg)
-  matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size  # embedding is a gather, not a matmul
-  flops = 6.0 * matmul_params
-  hq, hd = cfg.num_attention_heads, cfg.head_dim
-  for lt in cfg.layer_types:
-    if lt == "minimax_m3_sparse":
-      keys = min(seq_len / 2, cfg.index_topk_blocks * cfg.index_block_size)
-      flops += 6 * 2 * keys * hq * hd + 6 * seq_len / 2 * cfg.index_n_heads * cfg.index_head_dim
-    else:
-      flops += 6 * 2 * (seq_len / 2) * hq * hd
-  return flops
-
-
-def from_sequence(x: Sequence[str] | str) -> tuple[str, ...]:
-  """Accepts a tuple/list or a comma-separated string (handy for command-line overrides)."""
-  if isinstance(x, str):
-    return tuple(s.strip() for s in x.split(",") if s.strip())
-  return tuple(x)

@@ -1,4 +1,5 @@
-"""Chunked prefill and token-by-token decoding with KV (+ MSA index-key) caches.
+"""Chunked prefill and token-by-token decoding with per-layer caches (each attention class owns its cache type:
+dense layers a KVCache, MSA layers keys, values and index keys).
 
 One compiled prefill per chunk length and one compiled decode step serve every position: the caches are fixed
 size buffers and their fill level is a traced scalar, so positions never enter a shape.
@@ -6,22 +7,19 @@ size buffers and their fill level is a traced scalar, so positions never enter a
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3_jax.models.cache import LayerCache
 from m3_jax.models.transformer import TextModel
 
 
-def init_caches(model: TextModel, batch: int, max_len: int, dtype=None) -> list[LayerCache]:
-  cfg = model.cfg
-  dtype = jnp.dtype(cfg.dtype) if dtype is None else dtype
-  return [LayerCache.empty(batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                           index_dim=cfg.index_head_dim if lt == "minimax_m3_sparse" else None, dtype=dtype)
-          for lt in cfg.layer_types]
+def init_caches(model: TextModel, batch: int, max_len: int, dtype=None) -> list[Any]:
+  """One empty cache per layer, of the type its attention asks for; dtype defaults to the compute dtype."""
+  dtype = jnp.dtype(model.cfg.dtype) if dtype is None else dtype
+  return [layer.self_attn.init_cache(batch, max_len, dtype) for layer in model.layers]
 
 
 def make_step(model: TextModel) -> Callable:

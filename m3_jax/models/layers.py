@@ -41,6 +41,20 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> jax.Array:
   return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
 
 
+def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """NeoX ("rotate half") rotation of the first R = 2 * cos.shape[-1] channels of x; the rest pass through.
+
+  x: [..., D]; cos, sin: f32, broadcastable to [..., R / 2]. Channel c pairs with c + R / 2:
+  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the same rotation as HF's `x * cat(cos, cos) + rotate_half(x) *
+  cat(sin, sin)`. Computed in f32 and cast back to x.dtype. Text RoPE and the vision tower's 3D RoPE both use it.
+  """
+  r = 2 * cos.shape[-1]
+  rot, rest = x[..., :r].astype(jnp.float32), x[..., r:]
+  x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  return jnp.concatenate([out, rest], axis=-1)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
   """NeoX ("rotate half") RoPE on the first `rotary_dim` channels; the rest pass through.
 
@@ -51,11 +65,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: fl
   angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(rotary_dim, theta)  # [B, T, R/2]
   cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, R/2]
   sin = jnp.sin(angles)[:, :, None, :]
-  rot, rest = x[..., :rotary_dim].astype(jnp.float32), x[..., rotary_dim:]
-  x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
-  # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): the same rotation as HF's cat(freqs, freqs) + rotate_half.
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-  return jnp.concatenate([out, rest], axis=-1)
+  return rotate_half(x, cos, sin)
 
 
 def swiglu_oai(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float) -> jax.Array:

@@ -36,6 +36,14 @@ class MoEDims:
   limit: float
   capacity_factor: float = 1.25
 
+  @classmethod
+  def from_config(cls, cfg) -> "MoEDims":
+    """The MoE fields of a TextConfig."""
+    return cls(d_model=cfg.hidden_size, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+               intermediate=cfg.intermediate_size, shared_intermediate=cfg.shared_intermediate_size,
+               routed_scaling_factor=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+               capacity_factor=cfg.capacity_factor)
+
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float):
   """logits: [N, E] f32 -> (weights [N, k] f32, expert ids [N, k] int32, sigmoid scores [N, E])."""

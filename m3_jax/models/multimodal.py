@@ -1,8 +1,8 @@
 """The M3 vision-language model: vision tower + projector + text tower, visual tokens in placeholder positions.
 
 `VLModel(cfg, rngs=...)(inputs, positions, segment_ids, images=..., image_valid=..., videos=..., video_valid=...)`
-returns `(logits [B, L, V] f32, aux)` like `TextModel`. The batch is the text batch of m3_jax/data/pipeline.py plus
-the pixels, as the vision data pipelines (m3_jax/data/vision*.py) emit them:
+returns `(logits [B, L, V] f32, aux)` like `TextModel`. The batch is the text batch plus the pixels (the contract in
+m3_jax/core/batch.py), as the vision data pipelines (m3_jax/data/) emit them:
 
 * `images` [B, N_img, tp, H, W, C] (a frame repeated temporal_patch_size times), `videos` [B, N_vid, F, H, W, C],
   with `image_valid` / `video_valid` bool [B, N]; an absent key means "no items of that modality".
@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from m3_jax.core.sharding import constrain
 from m3_jax.models.config import VLConfig, VisionConfig
 from m3_jax.models.transformer import TextModel
 from m3_jax.models.vision import Projector, VisionTower, check_pixels
-from m3_jax.core.sharding import constrain
 
 # batch key -> (valid key, token id field of VLConfig, frames axis must equal temporal_patch_size)
 MODALITIES = {"images": ("image_valid", "image_token_index", True),
@@ -86,28 +86,6 @@ def check_batch(batch: Mapping[str, Any], cfg: VLConfig) -> dict[str, np.ndarray
           f"{int(valid[row].sum())} valid {key} x {per_item} tokens each = {int(expected[row])} visual tokens "
           f"({key} shape {shape}); the counts must match exactly")
   return counts
-
-
-def vision_flops(cfg: VLConfig, frames: int, height: int, width: int, max_frames: int | None = None) -> float:
-  """Forward FLOPs (2 per multiply-add) of the vision tower + projector on one item, in closed form.
-
-  Counts what the tower computes: matmuls over every patch slot, including the padded slots of a last, shorter
-  segment, and attention scores + weighted values over each segment (4 * S^2 * hidden per segment of S
-  patches: the part that grows with max_frames). Elementwise work (norms, GELU, softmax, RoPE) is left out.
-  """
-  v = cfg.vision
-  t, gh, gw = frames // v.temporal_patch_size, height // v.patch_size, width // v.patch_size
-  mf = min(int(v.max_frames if max_frames is None else max_frames), t)
-  n_seg = -(-t // mf)
-  seg = mf * gh * gw  # patches per segment
-  slots = n_seg * seg  # patch slots computed per layer
-  patches = t * gh * gw
-  d, inter, pj, dt = v.hidden_size, v.intermediate_size, cfg.projector_hidden_size, cfg.text.hidden_size
-  m2 = v.spatial_merge_size ** 2
-  embed = 2.0 * patches * v.patch_dim * d
-  per_layer = 2.0 * slots * (4 * d * d + 2 * d * inter) + 4.0 * n_seg * seg * seg * d
-  projector = 2.0 * patches * (d * pj + pj * dt) + 2.0 * (patches // m2) * (m2 * dt * pj + pj * dt)
-  return embed + v.num_hidden_layers * per_layer + projector
 
 
 def merge_visual_tokens(x: jax.Array, ids: jax.Array, token: int, features: jax.Array,
@@ -202,9 +180,3 @@ class VLModel(nnx.Module):
       aux["text_to_visual_attention"] = jnp.stack([m for m, _ in per_layer])  # [layers, heads]
       aux["text_to_visual_queries"] = per_layer[0][1] if per_layer else jnp.zeros((), jnp.float32)
     return logits, aux
-
-  @staticmethod
-  def batch_kwargs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of `__call__` found in a contract batch (absent modalities stay absent)."""
-    keys = ("positions", "segment_ids", "images", "image_valid", "videos", "video_valid", "loss_mask")
-    return {k: batch[k] for k in keys if k in batch}

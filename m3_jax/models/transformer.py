@@ -13,27 +13,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3_jax.models.attention import Attention, AttentionDims
-from m3_jax.models.config import TextConfig
+from m3_jax.core.sharding import constrain
+from m3_jax.models.attention import make_attention
+from m3_jax.models.config import MLP_DENSE, TextConfig
 from m3_jax.models.layers import DenseMLP, RMSNorm, param
 from m3_jax.models.moe import MoE, MoEDims
-from m3_jax.core.sharding import constrain
 
 
 def _dtype(name: str):
   return jnp.dtype(name)
-
-
-def make_attention(cfg: TextConfig, layer_type: str, *, rngs: nnx.Rngs, **kw) -> nnx.Module:
-  if layer_type == "minimax_m3_sparse":
-    try:
-      from m3_jax.models.msa import MSAAttention  # noqa: PLC0415  (the seam for MSA layers)
-    except ImportError as e:
-      raise NotImplementedError(
-          "layer_types contains 'minimax_m3_sparse' but MSA layers are not available in this build "
-          f"({e}); use 'full_attention' layers") from e
-    return MSAAttention(cfg, rngs=rngs, **kw)
-  return Attention(AttentionDims.from_config(cfg), impl=cfg.attention_impl, rngs=rngs, document_mask=cfg.document_mask, **kw)
 
 
 class DecoderLayer(nnx.Module):
@@ -45,22 +33,18 @@ class DecoderLayer(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd)
     self.self_attn = make_attention(cfg, layer_type, rngs=rngs, std=std, param_dtype=pd, dtype=dt)
-    if mlp_type == "dense":
+    if mlp_type == MLP_DENSE:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, alpha=cfg.swiglu_alpha,
                           limit=cfg.swiglu_limit, rngs=rngs, std=std, param_dtype=pd, dtype=dt)
     else:
-      dims = MoEDims(d_model=cfg.hidden_size, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
-                     intermediate=cfg.intermediate_size, shared_intermediate=cfg.shared_intermediate_size,
-                     routed_scaling_factor=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-                     capacity_factor=cfg.capacity_factor)
-      self.mlp = MoE(dims, impl=cfg.moe_impl, rngs=rngs, std=std, param_dtype=pd, dtype=dt)
+      self.mlp = MoE(MoEDims.from_config(cfg), impl=cfg.moe_impl, rngs=rngs, std=std, param_dtype=pd, dtype=dt)
 
   def __call__(self, x, positions, segment_ids, mask, *, cache=None, capture=False, step_state=None):
     h, attn_aux = self.self_attn(self.input_layernorm(x), positions, segment_ids, cache=cache, capture=capture,
                                  step_state=step_state)
     x = x + h
     y = self.post_attention_layernorm(x)
-    if self.mlp_type == "dense":
+    if self.mlp_type == MLP_DENSE:
       y, mlp_aux = self.mlp(y), {}
     else:
       y, mlp_aux = self.mlp(y, mask)

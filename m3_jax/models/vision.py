@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from m3_jax.models.config import VisionConfig
-from m3_jax.models.layers import param
 from m3_jax.core.sharding import constrain
+from m3_jax.models.attention.core import key_length_mask, masked_attention
+from m3_jax.models.config import VisionConfig
+from m3_jax.models.layers import param, rotate_half
 
 _ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 
@@ -101,11 +102,7 @@ def apply_rope_3d(x: jax.Array, positions: jax.Array, cfg: VisionConfig) -> jax.
   inv = jnp.asarray(rope_inv_freq_3d(cfg), jnp.float32)
   angles = positions.astype(jnp.float32)[:, :, None] * inv  # [S, 3, sd / 2]
   angles = angles.reshape(angles.shape[0], r // 2)[:, None, :]  # [S, 1, R / 2]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  rot, rest = x[..., :r].astype(jnp.float32), x[..., r:]
-  x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-  return jnp.concatenate([out, rest], axis=-1)
+  return rotate_half(x, jnp.cos(angles), jnp.sin(angles))
 
 
 # ---- attention -------------------------------------------------------------------------------------------------
@@ -113,17 +110,12 @@ def apply_rope_3d(x: jax.Array, positions: jax.Array, cfg: VisionConfig) -> jax.
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | None, *, impl: str = "xla"):
   """Bidirectional attention inside each row of segments. q, k, v: [G, S, H, D]; kv_len: int32 [G], the number of
   real (unpadded) keys of each row, or None when no row is padded. Returns [G, S, H, D]."""
-  g, s, h, d = q.shape
   if impl == "cudnn":
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len, implementation="cudnn")
   if impl != "xla":
     raise ValueError(f"vision attention impl {impl!r}; expected 'xla' or 'cudnn'")
-  scores = jnp.einsum("gshd,gkhd->ghsk", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-  if kv_len is not None:
-    keep = jnp.arange(s)[None, :] < kv_len[:, None]  # [G, S]
-    scores = jnp.where(keep[:, None, None, :], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.einsum("ghsk,gkhd->gshd", probs.astype(v.dtype), v)
+  mask = None if kv_len is None else key_length_mask(kv_len, k.shape[1])  # [G, 1, 1, S]
+  return masked_attention(q, k, v, mask)
 
 
 class VisionAttention(nnx.Module):

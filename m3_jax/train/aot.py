@@ -11,11 +11,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from m3_jax.models.config import param_count
 from m3_jax.core import sharding
 from m3_jax.core.batch import TEXT_KEYS
+from m3_jax.models.flops import param_count
 from m3_jax.train import config_lib
+from m3_jax.train.checks import check_fits
 from m3_jax.train.optimizer import make_optimizer
+from m3_jax.train.state import make_init_fn, param_shardings, state_shardings_for
 from m3_jax.train.steps import make_train_step
 
 
@@ -32,8 +34,6 @@ def _gib(b: float) -> str:
 
 
 def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  from m3_jax.train.trainer import (check_fits, make_init_fn, param_shardings,  # noqa: PLC0415
-                                    state_shardings_for)
   n = int(config.get("aot_devices", 0) or jax.device_count())
   if jax.device_count() < n:
     raise RuntimeError(f"aot: {n} devices requested but JAX already started with {jax.device_count()}; "
@@ -52,7 +52,7 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   bsh = sharding.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
            for k in TEXT_KEYS}
-  step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(config.train.moe_aux_coef),
+  step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(cfg.router_aux_loss_coef),
                                  kl_weight=cfg.kl_weight),
                  in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=(0,))
   t0 = time.time()

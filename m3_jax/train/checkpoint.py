@@ -70,6 +70,13 @@ class Checkpointer:
     self.manager.close()
 
 
+def make_checkpointer(config, workdir: str) -> Checkpointer:
+  """The experiment config's `checkpoint` section -> the Checkpointer of WORKDIR/checkpoints."""
+  c = config.checkpoint
+  return Checkpointer(os.path.join(workdir, "checkpoints"), every=int(c.every), keep=int(c.keep),
+                      async_save=bool(c.get("async_save", True)))
+
+
 def abstract_like(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 

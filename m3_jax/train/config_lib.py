@@ -76,6 +76,11 @@ def text_config(cfg: TextConfig | VLConfig) -> TextConfig:
   return cfg.text if isinstance(cfg, VLConfig) else cfg
 
 
+def vision_config(cfg: TextConfig | VLConfig) -> VisionConfig | None:
+  """The vision tower's config (what the data pipeline shapes pixels for); None for a text model."""
+  return cfg.vision if isinstance(cfg, VLConfig) else None
+
+
 def optim_config(config: ml_collections.ConfigDict) -> OptimConfig:
   d = dict(config.optim.to_dict())
   d.setdefault("total_steps", config.train.steps)

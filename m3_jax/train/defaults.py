@@ -10,6 +10,7 @@ from m3_jax.models.config import TextConfig, VLConfig, VisionConfig
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
+  # The text model (TextConfig's fields; `model.router_aux_loss_coef` weighs the MoE load-balance loss).
   c.model = ml_collections.ConfigDict(TextConfig().to_dict())
   c.model.layer_types = tuple(c.model.layer_types)
   c.model.mlp_layer_types = tuple(c.model.mlp_layer_types)
@@ -30,7 +31,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.seed = 0
   c.train.log_every = 10
   c.train.eval_every = 200
-  c.train.moe_aux_coef = 1e-3
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-3

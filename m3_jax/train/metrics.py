@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 # Peak dense bf16 FLOP/s per device for the MFU estimate (vendor figures; CPU has no meaningful peak).
@@ -19,6 +20,12 @@ PEAK_FLOPS = {
     "TPU v5p": 459e12,
     "TPU v4": 275e12,
 }
+
+
+def log(msg: str) -> None:
+  """A line on stdout from process 0 only (every process runs the same program)."""
+  if jax.process_index() == 0:
+    print(msg, flush=True)
 
 
 def peak_flops(device) -> float | None:

@@ -1,25 +1,19 @@
-"""The pure train and eval steps (jitted by the trainer with explicit shardings and donated state)."""
+"""The pure train and eval steps (jitted by the trainer with explicit shardings and donated state), and
+`to_global`, which makes a host batch their global input."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
-from m3_jax.core.batch import VISUAL_KEYS
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array  # int32 scalar: optimizer steps taken
-  params: Any  # nnx.State of nnx.Param
-  rest: Any  # nnx.State of every other variable (router correction bias, ...); not touched by the optimizer
-  opt_state: Any
-  rng: jax.Array  # for stochastic parts (none in the default models); saved so a resume is exact
+from m3_jax.core import sharding
+from m3_jax.core.batch import TEXT_KEYS, VISUAL_KEYS
+from m3_jax.train.state import TrainState
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -48,6 +42,8 @@ def forward(graphdef, params, rest, batch, *, step=None, capture_attention=False
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable, *, moe_aux_coef: float,
                     kl_weight: float) -> Callable:
+  """(state, batch) -> (state one step on, metrics). The loss is the text cross-entropy + moe_aux_coef x the MoE
+  load-balance loss (the model's `router_aux_loss_coef`) + kl_weight x MSA's indexer KL loss."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     def loss_fn(params):
@@ -101,3 +97,11 @@ def make_eval_step(graphdef) -> Callable:
     return out
 
   return eval_step
+
+
+def to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
+  """Host-local numpy batch -> global jax.Arrays sharded over the batch axes (dim 0 of every array; pixels keep
+  their other dims whole). Keys outside the batch contract stay on the host, except eval masks (`NAME_mask`)."""
+  sh = sharding.batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()
+          if k in TEXT_KEYS + VISUAL_KEYS or k.endswith("_mask")}

@@ -24,12 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.msa import pallas_bwd, pallas_fwd
+from pallas_kernels.msa._common import cdiv, pad_keys, row_offsets, usable_slots
 from pallas_kernels.msa.pallas_map import build_kv_map
-from pallas_kernels.msa.xla import _usable_slots
-
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
 
 
 def _pow2(n: int) -> bool:
@@ -72,13 +68,6 @@ class KernelConfig:
 
   def bwd_rows_for(self, dtype) -> int:
     return self.bwd_rows or (64 if jnp.dtype(dtype).itemsize <= 2 else 32)
-
-
-def row_offsets(q_offset, B: int, S: int, T: int) -> jax.Array:
-  """int32 [B]: the slot of query 0 in each batch row. q_offset: None (S - T), an int, a scalar or a [B] array
-  (decoding with different cache lengths per row); every kernel reads its row's entry."""
-  off = jnp.asarray(S - T if q_offset is None else q_offset, jnp.int32)
-  return jnp.broadcast_to(jnp.reshape(off, (-1,)), (B,))
 
 
 def fits_gpu_kernels(G: int, D: int, block_size: int) -> bool:
@@ -134,27 +123,17 @@ def _shapes(q, k, block_idx, cfg):
   B, T, Hq, D = q.shape
   S, Hkv = k.shape[1], k.shape[2]
   G, K = Hq // Hkv, block_idx.shape[-1]
-  nb = _cdiv(S, cfg.block_size)
+  nb = cdiv(S, cfg.block_size)
   R = max(1, cfg.fwd_rows(q.dtype) // G)
   TQ = max(1, cfg.merge_rows // G)
-  return B, T, Hq, D, S, Hkv, G, K, nb, R, TQ, _cdiv(T, TQ) * TQ
-
-
-def _pad_keys(x, S_pad, fill=0):
-  """Zero-pads the key axis (1) to a whole number of blocks; pad keys lie past every query, so causality hides them."""
-  S = x.shape[1]
-  if S_pad == S:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (0, S_pad - S)
-  return jnp.pad(x, pad, constant_values=fill)
+  return B, T, Hq, D, S, Hkv, G, K, nb, R, TQ, cdiv(T, TQ) * TQ
 
 
 def _forward(q, k, v, block_idx, offset, seg, cfg):
   B, T, Hq, D, S, Hkv, G, K, nb, R, TQ, T_pad = _shapes(q, k, block_idx, cfg)
   S_pad = nb * cfg.block_size
-  kp, vp = _pad_keys(k, S_pad), _pad_keys(v, S_pad)
-  segp = None if seg is None else _pad_keys(seg, S_pad, fill=-1)
+  kp, vp = pad_keys(k, S_pad), pad_keys(v, S_pad)
+  segp = None if seg is None else pad_keys(seg, S_pad, fill=-1)
   kv_map = build_kv_map(block_idx, nb, R * cfg.fwd_steps, pad=max(R, max(1, cfg.bwd_rows_for(q.dtype) // G)))
   q2 = q.reshape(B, T * Hq, D)  # [B, T*Hq, D]: row t * Hq + head
   partial_dtype = q.dtype if cfg.partial_dtype is None else jnp.dtype(cfg.partial_dtype)
@@ -186,10 +165,10 @@ def _attention_bwd(cfg, res, cotangents):
   B, T, Hq, D = out.shape
   S, Hkv = k.shape[1], k.shape[2]
   S_pad = kv_map.blk_start.shape[1] * cfg.block_size
-  kp, vp = _pad_keys(k, S_pad), _pad_keys(v, S_pad)
+  kp, vp = pad_keys(k, S_pad), pad_keys(v, S_pad)
   G, K = Hq // Hkv, kv_map.pair_pos.shape[1] // T
   R, TQ = max(1, cfg.bwd_rows_for(q2.dtype) // G), max(1, cfg.merge_rows // G)
-  T_pad = _cdiv(T, TQ) * TQ
+  T_pad = cdiv(T, TQ) * TQ
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).reshape(B, T * Hq)  # [B, T*Hq]
   dq_dtype = q2.dtype if cfg.dq_dtype is None else jnp.dtype(cfg.dq_dtype)
   dk, dv, dq_part = pallas_bwd.kv_outer_backward(
@@ -221,14 +200,14 @@ def sparse_attention_query_major(q, k, v, block_idx, *, block_size: int, scale: 
     interpret = jax.default_backend() != "gpu"
   if not interpret:
     check_gpu_shapes(Hq // Hkv, D, block_size)
-  nb = _cdiv(S, block_size)
+  nb = cdiv(S, block_size)
   S_pad = nb * block_size
   block_idx = jnp.asarray(block_idx, jnp.int32)
-  blocks = jnp.where(_usable_slots(block_idx, nb), block_idx, -1).reshape(B * Hkv, T * K)
+  blocks = jnp.where(usable_slots(block_idx, nb), block_idx, -1).reshape(B * Hkv, T * K)
   offset = row_offsets(q_offset, B, S, T)
-  seg = None if segment_ids is None else _pad_keys(jnp.asarray(segment_ids, jnp.int32), S_pad, fill=-1)
+  seg = None if segment_ids is None else pad_keys(jnp.asarray(segment_ids, jnp.int32), S_pad, fill=-1)
   out = pallas_fwd.query_major_forward(
-      q.reshape(B, T * Hq, D), _pad_keys(k, S_pad), _pad_keys(v, S_pad), blocks, offset, seg, T=T, G=Hq // Hkv,
+      q.reshape(B, T * Hq, D), pad_keys(k, S_pad), pad_keys(v, S_pad), blocks, offset, seg, T=T, G=Hq // Hkv,
       K=K, bs=block_size, scale=D ** -0.5 if scale is None else float(scale), interpret=interpret,
       num_warps=num_warps, num_stages=num_stages)
   return out[:, :T * Hq].reshape(B, T, Hq, D)

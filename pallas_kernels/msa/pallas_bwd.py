@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.msa.pallas_fwd import _iota, dot, rows_cols, visible_mask
+from pallas_kernels.msa._common import dot, iota, rows_cols, visible_mask
 
 
 def _dkv_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
@@ -37,8 +37,8 @@ def _dkv_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, k
   k0 = pl.multiple_of(j * bs, bs)
   k = k_ref[b, pl.ds(k0, bs), h, :]  # [bs, D]
   v = v_ref[b, pl.ds(k0, bs), h, :]
-  k_pos = k0 + _iota(bs)
-  i = _iota(R * G)
+  k_pos = k0 + iota(bs)
+  i = iota(R * G)
   r, g = i // G, i % G
 
   def chunk(it, carry):
@@ -94,7 +94,7 @@ def kv_outer_backward(q, k, v, do, lse, delta, kv_map, offset, seg, *, G, R, bs,
 def _dq_merge_kernel(pair_pos_ref, dq_part_ref, dq_ref, *, G, Hq, Hkv, K, TQ, D):
   bh, tile = pl.program_id(0), pl.program_id(1)
   b, h = bh // Hkv, bh % Hkv
-  i = _iota(TQ * G)
+  i = iota(TQ * G)
   t, g = tile * TQ + i // G, i % G
 
   def slot(s, acc):

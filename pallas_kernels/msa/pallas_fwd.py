@@ -28,32 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
-def dot(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a @ b with f32 accumulation; f32 operands use full precision (Triton would otherwise round them to tf32)."""
-  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
-
-
-def visible_mask(q_pos, k_pos, row_ok, seg_ref, b, k0, bs):
-  """bool [rows, bs]: causal (key slot <= query slot), a live row, and (with segments) the same segment."""
-  vis = (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
-  if seg_ref is not None:
-    vis &= seg_ref[b, q_pos][:, None] == seg_ref[b, pl.ds(k0, bs)][None, :]
-  return vis
-
-
-def _iota(n: int) -> jax.Array:
-  return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-
-
-def rows_cols(rows: jax.Array, D: int) -> tuple[jax.Array, jax.Array]:
-  """Index arrays that pick whole rows `rows [N]` of a [..., rows, D] ref: ([N, 1], [1, D]) -> a [N, D] tile.
-
-  Gathers and scatters are written with an index array on every axis (no `:`), which both Triton (pointer
-  arithmetic; the column iota keeps each row's accesses contiguous) and interpret mode (a numpy-style gather) take.
-  """
-  return rows[:, None], jax.lax.broadcasted_iota(jnp.int32, (1, D), 1)
+from pallas_kernels.msa._common import dot, iota, rows_cols, visible_mask
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -73,8 +48,8 @@ def _partials_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref
   k0 = pl.multiple_of(chunk_blk_ref[bh, c] * bs, bs)
   k = k_ref[b, pl.ds(k0, bs), h, :]  # [bs, D], loaded once for all the chunk's steps
   v = v_ref[b, pl.ds(k0, bs), h, :]
-  k_pos = k0 + _iota(bs)
-  i = _iota(R * G)
+  k_pos = k0 + iota(bs)
+  i = iota(R * G)
   r, g = i // G, i % G
 
   def step(it, carry):
@@ -129,7 +104,7 @@ def kv_outer_partials(q, k, v, kv_map, offset, seg, *, G, R, bs, scale, partial_
 def _merge_kernel(pair_pos_ref, o_part_ref, lse_part_ref, out_ref, lse_ref, *, G, Hq, Hkv, K, TQ, D):
   bh, tile = pl.program_id(0), pl.program_id(1)
   b, h = bh // Hkv, bh % Hkv
-  i = _iota(TQ * G)
+  i = iota(TQ * G)
   t, g = tile * TQ + i // G, i % G
 
   def slot(s, carry):
@@ -181,7 +156,7 @@ def _query_major_kernel(offset_ref, blocks_ref, q_ref, k_ref, v_ref, *refs, G, G
   out_ref = refs[-1]
   bh, t = pl.program_id(0), pl.program_id(1)
   b, h = bh // Hkv, bh % Hkv
-  i = _iota(GP)
+  i = iota(GP)
   # Dots need >= 16 rows: groups smaller than that are padded by repeating the last head (not stored).
   rows = t * Hq + h * G + jnp.minimum(i, G - 1)
   q = q_ref[(b, *rows_cols(rows, D))]  # [GP, D]
@@ -194,7 +169,7 @@ def _query_major_kernel(offset_ref, blocks_ref, q_ref, k_ref, v_ref, *refs, G, G
     k = k_ref[b, pl.ds(k0, bs), h, :]
     v = v_ref[b, pl.ds(k0, bs), h, :]
     sc = dot(q, k.T) * scale  # [GP, bs]
-    vis = visible_mask(q_pos, k0 + _iota(bs), jnp.full((GP,), blk >= 0), seg_ref, b, k0, bs)
+    vis = visible_mask(q_pos, k0 + iota(bs), jnp.full((GP,), blk >= 0), seg_ref, b, k0, bs)
     sc = jnp.where(vis, sc, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)

@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import pallas_bwd
-from pallas_kernels.msa.pallas_fwd import _iota, dot, rows_cols, visible_mask
+from pallas_kernels.msa._common import dot, iota, pad_keys, row_offsets, rows_cols, visible_mask
 from pallas_kernels.msa.pallas_map import build_kv_map
 
 
@@ -97,12 +97,12 @@ def _fused_rows(sorted_t_ref, bh, h, first, row_ok_of, q_off, k_pos, seg_ref, b,
   """The fused teacher's per-head rows of this step (see `_teacher`); None for the other modes."""
   if mode != "fused":
     return None
-  pair = _iota(R * G)
+  pair = iota(R * G)
   r_rg = pair // G  # [R*G]: the query row of each (row, head)
   t_rg = sorted_t_ref[bh, first + r_rg]
   rows = t_rg * Hq + h * G + jax.lax.rem(pair, G)  # [R*G] rows of q [B, T * Hq, D]
   vis_rg = visible_mask(q_off + t_rg, k_pos, row_ok_of(r_rg), seg_ref, b, k0, bs)  # [R*G, bs]
-  pool = jnp.where(_iota(R)[:, None] == r_rg[None, :], 1.0 / G, 0.0).astype(jnp.bfloat16)  # [R, R*G]
+  pool = jnp.where(iota(R)[:, None] == r_rg[None, :], 1.0 / G, 0.0).astype(jnp.bfloat16)  # [R, R*G]
   return rows, vis_rg, pool
 
 
@@ -116,8 +116,8 @@ def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, s
   k0 = pl.multiple_of(chunk_blk_ref[bh, c] * bs, bs)
   k = k_ref[b, pl.ds(k0, bs), h, :]  # [bs, D]
   ki = ki_ref[b, pl.ds(k0, bs), :]  # [bs, di]
-  k_pos = k0 + _iota(bs)
-  r = _iota(R)
+  k_pos = k0 + iota(bs)
+  r = iota(R)
 
   def step(it, carry):
     first = start + it * R
@@ -154,8 +154,8 @@ def _grad_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, 
   k0 = pl.multiple_of(j * bs, bs)
   k = k_ref[b, pl.ds(k0, bs), h, :]
   ki = ki_ref[b, pl.ds(k0, bs), :]
-  k_pos = k0 + _iota(bs)
-  r = _iota(R)
+  k_pos = k0 + iota(bs)
+  r = iota(R)
 
   def step(it, dki):
     first = start + it * R
@@ -182,7 +182,7 @@ def _prepare(q, k, q_idx, k_idx, block_idx, segment_ids, cfg):
   S, Hkv = k.shape[1], k.shape[2]
   nb = -(-S // cfg.block_size)
   S_pad = nb * cfg.block_size
-  pad = lambda x, fill=0: msa_pallas._pad_keys(x, S_pad, fill)  # noqa: E731
+  pad = lambda x, fill=0: pad_keys(x, S_pad, fill)  # noqa: E731
   seg = None if segment_ids is None else pad(jnp.asarray(segment_ids, jnp.int32), -1)
   kv_map = build_kv_map(block_idx, nb, cfg.rows * cfg.steps, pad=cfg.rows)
   return dict(B=B, T=T, Hq=Hq, D=D, S=S, Hkv=Hkv, G=Hq // Hkv, nb=nb, K=block_idx.shape[-1], di=q_idx.shape[-1],
@@ -247,7 +247,7 @@ def kl_loss(q, k, q_idx, k_idx, block_idx, *, block_size: int, scale: float | No
   cfg = KLConfig(block_size=block_size, scale=D ** -0.5 if scale is None else float(scale),
                  index_scale=q_idx.shape[-1] ** -0.5 if index_scale is None else float(index_scale),
                  interpret=interpret, teacher=teacher, **knobs)
-  offset = msa_pallas.row_offsets(q_offset, B, S, T)
+  offset = row_offsets(q_offset, B, S, T)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   block_idx = jnp.asarray(block_idx, jnp.int32)
   if lse is None:

@@ -19,11 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.msa.xla import _usable_slots
-
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
+from pallas_kernels.msa._common import cdiv, usable_slots
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +50,7 @@ def build_kv_map(block_idx: jax.Array, num_blocks: int, rows_per_chunk: int, pad
   inside the P pairs stays in range."""
   B, Hkv, T, K = block_idx.shape
   BH, P, nb, R = B * Hkv, T * K, num_blocks, rows_per_chunk
-  ok = _usable_slots(block_idx, nb)
+  ok = usable_slots(block_idx, nb)
   blk = jnp.where(ok, block_idx, nb).reshape(BH, P).astype(jnp.int32)  # [BH, P], pair p = t * K + slot
 
   order = jnp.argsort(blk, axis=-1, stable=True).astype(jnp.int32)  # [BH, P]
@@ -70,7 +66,7 @@ def build_kv_map(block_idx: jax.Array, num_blocks: int, rows_per_chunk: int, pad
 
   n_chunks = (blk_count + R - 1) // R  # [BH, nb]
   chunk_end = jnp.cumsum(n_chunks, axis=-1)  # chunks of blocks 0..j
-  C = _cdiv(P, R) + nb
+  C = cdiv(P, R) + nb
   c = jnp.arange(C, dtype=jnp.int32)
   chunk_blk = jax.vmap(lambda e: jnp.searchsorted(e, c, side="right"))(chunk_end).astype(jnp.int32)  # [BH, C]
   live = chunk_blk < nb

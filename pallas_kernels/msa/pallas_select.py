@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.msa.pallas import row_offsets
-from pallas_kernels.msa.pallas_fwd import _iota, dot, rows_cols
+from pallas_kernels.msa._common import dot, iota, row_offsets, rows_cols
 
 
 def _next_pow2(n: int) -> int:
@@ -60,7 +59,7 @@ def _scan(offset_ref, q_ref, k_ref, seg_ref, ks_ref, b, h, tile, lo, hi, *, Hkv,
   groups folded into the rows (F = groups, Hkv = 1, h = 0) every (query, group) pair, row r = t * F + group, so
   that one read of a key block serves all groups (they share the index key)."""
   d_idx = q_ref.shape[-1]
-  r = jnp.minimum(tile * TQ + _iota(TQ), R - 1)  # rows past R repeat the last one (never stored)
+  r = jnp.minimum(tile * TQ + iota(TQ), R - 1)  # rows past R repeat the last one (never stored)
   q = q_ref[(b, *rows_cols(r * Hkv + h, d_idx))]  # [TQ, d_idx]
   q_pos = offset_ref[b] + r // F  # [TQ]
   q_block = q_pos // bs
@@ -75,7 +74,7 @@ def _scan(offset_ref, q_ref, k_ref, seg_ref, ks_ref, b, h, tile, lo, hi, *, Hkv,
     if ks_ref is not None:  # per-key dequantisation scale of an fp8 index cache
       s = s * ks_ref[b, pl.ds(k0, bs)][None, :]
     if masked:
-      k_pos = k0 + _iota(bs)
+      k_pos = k0 + iota(bs)
       vis = k_pos[None, :] <= q_pos[:, None]
       if seg_ref is not None:
         vis &= seg_ref[b, pl.ds(k0, bs)][None, :] == q_seg[:, None]
@@ -128,7 +127,7 @@ def _select_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, R, F, TQ, bs, n_local, 
     pick = jnp.where(best > -jnp.inf, pick, -1)
     out = jnp.where(out_col == n_local + i, pick[:, None], out)
     used |= (ids == pick[:, None]) & (pick >= 0)[:, None]
-  rows = tile * TQ + _iota(TQ)
+  rows = tile * TQ + iota(TQ)
   plgpu.store(out_ref.at[(bh, *rows_cols(rows, SP))], out, mask=(out_col < slots))
 
 
@@ -145,7 +144,7 @@ def _candidates_kernel(offset_ref, q_ref, k_ref, *refs, Hkv, R, F, TQ, bs, n_loc
   hi = jnp.minimum(lo + per_split, _last_block(offset_ref, b, tile, R=R, F=F, TQ=TQ, bs=bs))
   vals, ids, _ = _scan(offset_ref, q_ref, k_ref, seg_ref, ks_ref, b, h, tile, lo, jnp.maximum(hi, lo), Hkv=Hkv,
                        R=R, F=F, TQ=TQ, bs=bs, n_local=n_local, n_rest=n_rest, NRP=NRP, fp8_dot=fp8_dot)
-  rows = tile * TQ + _iota(TQ)
+  rows = tile * TQ + iota(TQ)
   cols = split * NRP + jax.lax.broadcasted_iota(jnp.int32, (1, NRP), 1)
   vals_ref[bh, rows[:, None], cols] = vals
   ids_ref[bh, rows[:, None], cols] = ids

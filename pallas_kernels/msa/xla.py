@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.msa._common import query_segments, resolve_q_offset, split_q_offset
+from pallas_kernels.msa._common import cdiv, query_segments, resolve_q_offset, split_q_offset, usable_slots
 
 # Working set one query chunk may use. Big enough to amortise the per-iteration overhead of lax.map on CPU, small
 # enough that forward + backward of one chunk fits beside the model on a GPU.
@@ -33,15 +33,11 @@ _CHUNK_BYTES = 256 * 2**20
 _MAX_CHUNK = 512
 
 
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
 def _chunking(T: int, bytes_per_query: int, query_chunk: int | None) -> tuple[int, int]:
   """(rows per chunk, number of chunks); rows are balanced so the padding is < one row per chunk."""
   cap = query_chunk if query_chunk is not None else max(1, min(_MAX_CHUNK, _CHUNK_BYTES // max(1, bytes_per_query)))
-  n = _cdiv(T, cap)
-  return _cdiv(T, n), n
+  n = cdiv(T, cap)
+  return cdiv(T, n), n
 
 
 def _chunk_rows(x: jax.Array, axis: int, tc: int, n: int, fill=0) -> jax.Array:
@@ -64,7 +60,7 @@ def _unchunk_rows(x: jax.Array, axis: int, T: int) -> jax.Array:
 def _to_blocks(x: jax.Array, block_size: int) -> jax.Array:
   """[B, S, H, D] -> [B, H, num_blocks, block_size, D], zero-padding the last block."""
   B, S, H, D = x.shape
-  num_blocks = _cdiv(S, block_size)
+  num_blocks = cdiv(S, block_size)
   x = jnp.pad(x, ((0, 0), (0, num_blocks * block_size - S), (0, 0), (0, 0)))
   x = x.reshape(B, num_blocks, block_size, H, D)
   return x.transpose(0, 3, 1, 2, 4)  # [B, H, num_blocks, block_size, D]
@@ -77,18 +73,6 @@ def _gather_blocks(blocks: jax.Array, idx: jax.Array) -> jax.Array:
   shared = blocks.ndim == 4
   g = jax.vmap(jax.vmap(take, in_axes=(None if shared else 0, 0)))(blocks, idx)  # [B, H, tc, K, bs, D]
   return g.reshape(g.shape[:3] + (-1, g.shape[-1]))
-
-
-def _usable_slots(idx: jax.Array, num_blocks: int) -> jax.Array:
-  """bool [..., K]: slot holds an in-range block id not already held by an earlier slot of the same row.
-
-  The selection contract has no duplicates; dropping repeats here keeps the op a function of the selected *set*
-  (as the reference's mask is) instead of silently double-counting a block.
-  """
-  K = idx.shape[-1]
-  earlier = jnp.tril(jnp.ones((K, K), bool), k=-1)  # [slot, other]: other < slot
-  repeated = ((idx[..., :, None] == idx[..., None, :]) & earlier).any(-1)
-  return (idx >= 0) & (idx < num_blocks) & ~repeated
 
 
 def _selected_key_mask(idx: jax.Array, ok: jax.Array, pos: jax.Array, block_size: int,
@@ -169,7 +153,7 @@ def _select_blocks(q_idx, k_idx, dyn_offset, segment_ids, *, block_size, topk, l
   B, T, Hkv, d_idx = q_idx.shape
   S = k_idx.shape[1]
   q_offset = resolve_q_offset(static_offset, dyn_offset, T, S)
-  num_blocks = _cdiv(S, block_size)
+  num_blocks = cdiv(S, block_size)
   slots = min(topk, num_blocks)
   # local_blocks > slots only when every block is local (slots = num_blocks), so clipping it loses nothing.
   n_local = min(local_blocks, slots)
@@ -236,7 +220,7 @@ def _sparse_attention(q, k, v, block_idx, dyn_offset, segment_ids, *, block_size
   q_offset = resolve_q_offset(static_offset, dyn_offset, T, S)
   scale = D ** -0.5 if scale is None else scale
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  num_blocks = _cdiv(S, block_size)
+  num_blocks = cdiv(S, block_size)
   N = K * block_size
 
   k_blocks = _to_blocks(k, block_size)  # [B, Hkv, num_blocks, bs, D]
@@ -253,7 +237,7 @@ def _sparse_attention(q, k, v, block_idx, dyn_offset, segment_ids, *, block_size
 
   def chunk(args):
     qc, idx, start, q_seg = args
-    ok = _usable_slots(idx, num_blocks)
+    ok = usable_slots(idx, num_blocks)
     idx = jnp.where(ok, idx, 0)
     mask = _selected_key_mask(idx, ok, start + jnp.arange(tc), block_size, seg_blocks, q_seg)  # [B, Hkv, tc, N]
     kg = _gather_blocks(k_blocks, idx)  # [B, Hkv, tc, N, D]
@@ -297,7 +281,7 @@ def _kl_loss(q, k, q_idx, k_idx, block_idx, dyn_offset, segment_ids, *, block_si
   q_offset = resolve_q_offset(static_offset, dyn_offset, T, S)
   scale = D ** -0.5 if scale is None else scale
   index_scale = d_idx ** -0.5 if index_scale is None else index_scale
-  num_blocks = _cdiv(S, block_size)
+  num_blocks = cdiv(S, block_size)
 
   # The teacher is a target only: cut q and k off before anything is built from them.
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
@@ -336,7 +320,7 @@ def _kl_loss(q, k, q_idx, k_idx, block_idx, dyn_offset, segment_ids, *, block_si
 
     def chunk(args):
       qc, qic, idx, start, q_seg = args
-      ok = _usable_slots(idx, num_blocks)
+      ok = usable_slots(idx, num_blocks)
       idx = jnp.where(ok, idx, 0)
       mask = _selected_key_mask(idx, ok, start + jnp.arange(tc), block_size, seg_blocks, q_seg)  # [B, Hkv, tc, N]
       kg = _gather_blocks(k_blocks, idx)  # [B, Hkv, tc, N, D]

@@ -1,7 +1,7 @@
-"""grain input pipelines over a prepared corpus (see `m3_jax.data.corpus`): packed LM batches for training and a
-fixed, finite set of packed batches per source for held-out evaluation.
+"""grain input pipelines over a prepared corpus (see `m3_jax.data.text_prepare`): packed LM batches for training
+and a fixed, finite set of packed batches per source for held-out evaluation.
 
-Every batch is a dict of numpy arrays, all [B, seq_len]:
+Every batch is a dict of numpy arrays (the keys are m3_jax.core.batch.TEXT_KEYS), all [B, seq_len]:
 
     inputs       int32    token ids fed to the model; 0 (<|pad|>) in padding
     targets      int32    the next token of the same document; 0 in padding
@@ -26,25 +26,21 @@ Saving the iterator with orbax: `ocp.args.Composite(..., data=grain.checkpoint.C
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import grain
 import numpy as np
 
-from m3_jax.core.batch import TEXT_KEYS
-from m3_jax.data import corpus
+from m3_jax.data.common import check_seq_len, memmap, mp_prefetch, seed32
+from m3_jax.data.text_prepare import Manifest, load_manifest
 
-__all__ = ["list_sources", "make_train_dataset", "make_eval_batches", "BATCH_KEYS"]
-
-BATCH_KEYS = TEXT_KEYS
+__all__ = ["list_sources", "make_train_dataset", "make_eval_batches", "pack_pieces", "train_pieces"]
 
 
 def list_sources(data_dir: str) -> list[str]:
   """Names of the sources prepared in `data_dir` (those that were skipped at build time are absent)."""
-  return corpus.load_manifest(data_dir).source_names
+  return load_manifest(data_dir).source_names
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,7 +72,7 @@ class _Pieces(Sequence):
   small index arrays, so it pickles cheaply into `mp_prefetch` workers; the token files are mapped lazily.
   """
 
-  def __init__(self, manifest: corpus.Manifest, sources: Sequence[str], split: str, seq_len: int):
+  def __init__(self, manifest: Manifest, sources: Sequence[str], split: str, seq_len: int):
     self._paths = [os.path.join(manifest.data_dir, manifest.split(s, split).bin) for s in sources]
     self._dtype = np.dtype(manifest.token_dtype)
     src, starts, ends = [], [], []
@@ -99,7 +95,7 @@ class _Pieces(Sequence):
 
   def __getitem__(self, i):
     if self._tokens is None:
-      self._tokens = [corpus._memmap(p, self._dtype) for p in self._paths]
+      self._tokens = [memmap(p, self._dtype) for p in self._paths]
     i = int(i)
     piece = np.asarray(self._tokens[self._src[i]][self._starts[i]:self._ends[i]], dtype=np.int32)
     return {"inputs": piece[:-1], "targets": piece[1:]}
@@ -124,7 +120,10 @@ def _finalize(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   }
 
 
-def _pack(ds: grain.IterDataset, seq_len: int, num_bins: int, seed: int, shuffle_bins: bool) -> grain.IterDataset:
+def pack_pieces(ds: grain.IterDataset, seq_len: int, num_bins: int, seed: int,
+                shuffle_bins: bool) -> grain.IterDataset:
+  """Document pieces ({"inputs", "targets"} of up to seq_len tokens each) -> rows of the batch contract, packed
+  first-fit into `num_bins` rows at a time (see the module docstring for the row layout)."""
   packed = grain.experimental.FirstFitPackIterDataset(
       ds, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=num_bins, seed=seed,
       shuffle_bins=shuffle_bins)
@@ -136,12 +135,7 @@ def _pack(ds: grain.IterDataset, seq_len: int, num_bins: int, seed: int, shuffle
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_seq_len(seq_len: int) -> None:
-  if not isinstance(seq_len, (int, np.integer)) or seq_len < 2:
-    raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2 (a row holds seq_len input/target pairs)")
-
-
-def _resolve_sources(manifest: corpus.Manifest, sources: Sequence[str] | None, arg: str = "sources") -> list[str]:
+def _resolve_sources(manifest: Manifest, sources: Sequence[str] | None, arg: str = "sources") -> list[str]:
   if isinstance(sources, str):
     sources = [sources]
   names = list(manifest.source_names if sources is None else sources)
@@ -157,25 +151,22 @@ def _resolve_sources(manifest: corpus.Manifest, sources: Sequence[str] | None, a
   return names
 
 
-def _seed32(*parts: int) -> int:
-  return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _train_pieces(data_dir: str, *, seq_len: int, seed: int, sources: Sequence[str] | None = None,
-                  source_weights: Mapping[str, float] | None = None, process_index: int = 0,
-                  process_count: int = 1) -> grain.MapDataset:
-  """The infinite, shuffled, per-process MapDataset of train pieces (the pipeline up to packing)."""
-  _check_seq_len(seq_len)
+def train_pieces(data_dir: str, *, seq_len: int, seed: int, sources: Sequence[str] | None = None,
+                 source_weights: Mapping[str, float] | None = None, process_index: int = 0,
+                 process_count: int = 1) -> grain.MapDataset:
+  """The infinite, shuffled, per-process MapDataset of train pieces (the pipeline up to packing); each element is
+  {"inputs": int32 [n - 1], "targets": int32 [n - 1]} for a piece of n <= seq_len + 1 tokens."""
+  check_seq_len(seq_len)
   if not (isinstance(process_count, (int, np.integer)) and process_count >= 1):
     raise ValueError(f"process_count={process_count!r}: expected an int >= 1")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index!r}: expected 0 <= process_index < process_count={process_count}")
-  manifest = corpus.load_manifest(data_dir)
+  manifest = load_manifest(data_dir)
   if source_weights is not None:
     if sources is None:
       sources = list(source_weights)
@@ -205,7 +196,7 @@ def _train_pieces(data_dir: str, *, seq_len: int, seed: int, sources: Sequence[s
       pieces = _Pieces(manifest, [s], "train", seq_len)
       if len(pieces) == 0:
         raise ValueError(f"source {s!r} has no train tokens but weight {w}")
-      parts.append(grain.MapDataset.source(pieces).seed(_seed32(seed, i)).shuffle().repeat())
+      parts.append(grain.MapDataset.source(pieces).seed(seed32(seed, i)).shuffle().repeat())
       # mix() draws elements; dividing by the mean piece length turns a token share into an element share.
       weights.append(w / (pieces.num_targets / len(pieces)))
     ds = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
@@ -241,20 +232,16 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
     raise ValueError(f"global_batch_size={global_batch_size!r}: expected an int >= 1")
   if isinstance(process_count, (int, np.integer)) and process_count >= 1 and global_batch_size % process_count:
     raise ValueError(f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}")
-  ds = _train_pieces(data_dir, seq_len=seq_len, seed=seed, sources=sources, source_weights=source_weights,
-                     process_index=process_index, process_count=process_count)
+  ds = train_pieces(data_dir, seq_len=seq_len, seed=seed, sources=sources, source_weights=source_weights,
+                    process_index=process_index, process_count=process_count)
   local = global_batch_size // process_count
   it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(16, 4 * local)))
   bins = local if num_packing_bins is None else int(num_packing_bins)
   if bins < 1:
     raise ValueError(f"num_packing_bins={num_packing_bins!r}: expected >= 1")
-  out = _pack(it_ds, seq_len, bins, _seed32(seed, process_index, 1), shuffle_bins).batch(local, drop_remainder=True)
-  if num_workers:
-    from absl import flags  # grain's workers read absl flags; a script without absl.app.run never parsed them
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-    out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(num_workers)))
-  return out
+  out = pack_pieces(it_ds, seq_len, bins, seed32(seed, process_index, 1), shuffle_bins)
+  out = out.batch(local, drop_remainder=True)
+  return mp_prefetch(out, num_workers) if num_workers else out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,12 +263,12 @@ def make_eval_batches(data_dir: str, source: str, *, seq_len: int, batch_size: i
     max_batches: stop after this many batches (None: the whole split).
     split: "heldout" (default) or "train".
   """
-  _check_seq_len(seq_len)
+  check_seq_len(seq_len)
   if not (isinstance(batch_size, (int, np.integer)) and batch_size >= 1):
     raise ValueError(f"batch_size={batch_size!r}: expected an int >= 1")
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches={max_batches!r}: expected None or >= 1")
-  manifest = corpus.load_manifest(data_dir)
+  manifest = load_manifest(data_dir)
   if not isinstance(source, str):
     raise TypeError(f"source must be one source name (str), got {source!r}")
   (name,) = _resolve_sources(manifest, [source], "source")
@@ -290,7 +277,7 @@ def make_eval_batches(data_dir: str, source: str, *, seq_len: int, batch_size: i
     raise ValueError(f"source {name!r} has no {split} documents in {data_dir} "
                      f"(a source with a single document has no held-out split)")
   ds = grain.MapDataset.source(pieces).to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=16))
-  rows = _pack(ds, seq_len, batch_size, 0, shuffle_bins=False).batch(batch_size, drop_remainder=False)
+  rows = pack_pieces(ds, seq_len, batch_size, 0, shuffle_bins=False).batch(batch_size, drop_remainder=False)
   out = []
   for batch in rows:
     n = batch["inputs"].shape[0]

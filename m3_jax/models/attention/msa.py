@@ -1,0 +1,221 @@
+"""MSA attention (MiniMax-M3's sparse layers): the dense projections plus an index branch (DESIGN.md §2), and its
+decoding cache (keys, values and index keys).
+
+The index branch reads `stop_gradient(x)` (the paper: without the detach training diverges), projects one
+index-query head per GQA group and one shared index-key head, each with its own Gemma RMSNorm and the main
+branch's partial RoPE. Selection (`select_blocks`) picks per (query, group) blocks; the main branch attends only
+those (`sparse_attention`); the KL alignment (`kl_loss`) trains the index branch and nothing else.
+
+Indexer warmup: while `step < warmup_steps` the main branch is dense and the KL target is the dense causal
+distribution; the switch is a `lax.cond` on the traced step, so it never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3_jax.models.attention.dense import Attention, AttentionDims, KVCache, dense_attention
+from m3_jax.models.attention.msa_diagnostics import block_metrics, selected_probs
+from m3_jax.models.layers import RMSNorm, apply_rope, param
+from pallas_kernels import msa as msa_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class MSADims:
+  """What an MSA layer reads of the model config: the dense attention's dims plus the index branch and the MSA
+  training switches (TextConfig's index_* and msa_* fields)."""
+
+  attention: AttentionDims
+  index_heads: int  # one index-query head per GQA group: must equal attention.num_kv_heads
+  index_dim: int
+  block_size: int
+  topk_blocks: int
+  local_blocks: int
+  warmup_steps: int = 0  # dense attention + dense KL target while step < warmup_steps
+  detach_index_input: bool = True  # False only for the paper's ablation
+  impl: str = "xla"  # pallas_kernels.msa implementation: xla | reference | pallas
+  index_fp8: bool = False  # select blocks from fp8 (e4m3) index q/k, one scale per vector
+  metric_queries: int = 64  # queries sampled per step for the recall metrics
+
+  @classmethod
+  def from_config(cls, cfg) -> "MSADims":
+    return cls(attention=AttentionDims.from_config(cfg), index_heads=cfg.index_n_heads,
+               index_dim=cfg.index_head_dim, block_size=cfg.index_block_size, topk_blocks=cfg.index_topk_blocks,
+               local_blocks=cfg.index_local_blocks, warmup_steps=cfg.warmup_steps,
+               detach_index_input=cfg.detach_index_input, impl=cfg.msa_impl, index_fp8=cfg.msa_index_fp8,
+               metric_queries=cfg.msa_metric_queries)
+
+
+@flax.struct.dataclass
+class MSACache:
+  """An MSA layer's decoding cache: the dense keys/values plus the index keys, filled together."""
+
+  kv: KVCache
+  k_idx: jax.Array  # [B, S_max, d_idx]
+
+  @classmethod
+  def empty(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, index_dim: int, *,
+            dtype=jnp.float32) -> "MSACache":
+    return cls(kv=KVCache.empty(batch, max_len, num_kv_heads, head_dim, dtype=dtype),
+               k_idx=jnp.zeros((batch, max_len, index_dim), dtype))
+
+  @property
+  def length(self) -> jax.Array:
+    return self.kv.length
+
+  @property
+  def max_len(self) -> int:
+    return self.kv.max_len
+
+  def update(self, k: jax.Array, v: jax.Array, k_idx: jax.Array) -> "MSACache":
+    """Writes T new slots at `length`. k, v: [B, T, Hkv, D]; k_idx: [B, T, d_idx]."""
+    new_idx = jax.lax.dynamic_update_slice(self.k_idx, k_idx.astype(self.k_idx.dtype), (0, self.length, 0))
+    return self.replace(kv=self.kv.update(k, v), k_idx=new_idx)
+
+
+class Indexer(nnx.Module):
+  """q_proj: [d_model, Hkv, d_idx] (one index-query head per GQA group); k_proj: [d_model, d_idx] (ONE key head)."""
+
+  def __init__(self, dims: MSADims, *, rngs: nnx.Rngs, std: float, param_dtype, dtype):
+    a = dims.attention
+    d, hi, di = a.d_model, dims.index_heads, dims.index_dim
+    self.rotary_dim, self.theta, self.dtype = a.rotary_dim, a.rope_theta, dtype
+    self.q_proj = param(rngs, (d, hi, di), ("embed", "index_heads", "index_dim"), std=std, dtype=param_dtype)
+    self.k_proj = param(rngs, (d, di), ("embed", "index_dim"), std=std, dtype=param_dtype)
+    self.q_norm = RMSNorm(di, eps=a.eps, param_dtype=param_dtype)
+    self.k_norm = RMSNorm(di, eps=a.eps, param_dtype=param_dtype)
+
+  @staticmethod
+  def param_count(dims: MSADims) -> int:
+    """q_proj, k_proj and the two norms."""
+    d, hi, di = dims.attention.d_model, dims.index_heads, dims.index_dim
+    return d * hi * di + d * di + 2 * di
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x: [B, T, d] -> q_idx [B, T, Hkv, d_idx], k_idx [B, T, d_idx]."""
+    qi = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(self.dtype))  # [B, T, Hkv, d_idx]
+    ki = jnp.einsum("btd,dk->btk", x, self.k_proj[...].astype(self.dtype))[:, :, None]  # [B, T, 1, d_idx]
+    qi = apply_rope(self.q_norm(qi), positions, rotary_dim=self.rotary_dim, theta=self.theta)
+    ki = apply_rope(self.k_norm(ki), positions, rotary_dim=self.rotary_dim, theta=self.theta)
+    return qi, ki[:, :, 0]
+
+
+class MSAAttention(Attention):
+  """Same projections (and HF names) as dense attention, plus `indexer`."""
+
+  def __init__(self, dims: MSADims, *, rngs: nnx.Rngs, std: float = 0.02, param_dtype=jnp.float32,
+               dtype=jnp.float32):
+    super().__init__(dims.attention, rngs=rngs, std=std, param_dtype=param_dtype, dtype=dtype)
+    a = dims.attention
+    if dims.index_heads != a.num_kv_heads:
+      raise ValueError(f"MSADims: index_heads={dims.index_heads} (TextConfig.index_n_heads) must equal "
+                       f"num_kv_heads={a.num_kv_heads} (num_key_value_heads): MSA selects per GQA group")
+    if dims.index_dim < a.rotary_dim:
+      raise ValueError(f"MSADims: index_dim={dims.index_dim} (TextConfig.index_head_dim) < rotary_dim="
+                       f"{a.rotary_dim}; the index branch applies the main branch's partial RoPE and needs at least "
+                       "rotary_dim channels")
+    self.msa = dims
+    self.indexer = Indexer(dims, rngs=rngs, std=std, param_dtype=param_dtype, dtype=dtype)
+
+  @classmethod
+  def dims_from_config(cls, cfg) -> MSADims:
+    return MSADims.from_config(cfg)
+
+  @classmethod
+  def param_count(cls, dims: MSADims) -> int:
+    return Attention.param_count(dims.attention) + Indexer.param_count(dims)
+
+  @classmethod
+  def score_flops_per_token(cls, dims: MSADims, seq_len: int) -> float:
+    """Only the selected keys (at most topk * block of the T / 2 causal ones on average) plus the index scoring of
+    every causal key by each index head."""
+    a = dims.attention
+    keys = min(seq_len / 2, dims.topk_blocks * dims.block_size)
+    return 6 * 2 * keys * a.num_heads * a.head_dim + 6 * seq_len / 2 * dims.index_heads * dims.index_dim
+
+  def init_cache(self, batch: int, max_len: int, dtype) -> MSACache:
+    a = self.dims
+    return MSACache.empty(batch, max_len, a.num_kv_heads, a.head_dim, self.msa.index_dim, dtype=dtype)
+
+  def _select(self, q_idx: jax.Array, k_idx: jax.Array, ops: dict, seg: dict) -> jax.Array:
+    """block_idx [B, Hkv, T, topk] (-1: no block) from the index branch, optionally scored in fp8 (selection only;
+    the KL trains the full-precision index branch)."""
+    sel_q, sel_k, sel_kw = q_idx, k_idx, {}
+    if self.msa.index_fp8:
+      sel_q, _ = msa_ops.quantize_index(q_idx)
+      sel_k, sel_kw["k_idx_scale"] = msa_ops.quantize_index(k_idx)
+    return msa_ops.select_blocks(sel_q, sel_k, topk=self.msa.topk_blocks, local_blocks=self.msa.local_blocks,
+                                 **ops, **seg, **sel_kw)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
+               cache: MSACache | None = None, capture: bool = False, step_state: Any = None):
+    """x: [B, T, d]. Returns (y [B, T, d], aux) with aux: kl_loss, metrics (training), cache (decoding),
+    attention_probs and block_idx (capture)."""
+    msa = self.msa
+    q, k, v = self.project(x, positions)
+    if not self.document_mask:
+      segment_ids = None
+    q_idx, k_idx = self.indexer(jax.lax.stop_gradient(x) if msa.detach_index_input else x, positions)
+    aux: dict[str, Any] = {}
+    q_offset = None
+    if cache is not None:
+      q_offset = cache.length
+      cache = cache.update(k, v, k_idx)
+      k, v, k_idx, aux["cache"] = cache.kv.k, cache.kv.v, cache.k_idx, cache
+      segment_ids = None
+    ops = dict(block_size=msa.block_size, q_offset=q_offset, implementation=msa.impl)
+    seg = {} if segment_ids is None else {"segment_ids": segment_ids}
+    block_idx = self._select(q_idx, k_idx, ops, seg)
+    training = step_state is not None
+    in_warmup = training and msa.warmup_steps > 0
+    # On the Pallas kernels the KL reuses the attention forward's log-sum-exp (LSE fusion): a training step then
+    # does no dense work besides the index scoring inside select_blocks.
+    fuse_lse = msa.impl == "pallas" and training and not in_warmup and not capture
+    lse = None
+
+    def sparse():
+      return msa_ops.sparse_attention(q, k, v, block_idx, **ops, **seg)
+
+    def dense():
+      return dense_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids)
+
+    if capture:  # analysis: the probabilities the sparse branch actually uses, and the selection itself
+      out = sparse()
+      aux["attention_probs"] = selected_probs(q, k, block_idx, block_size=msa.block_size, q_offset=q_offset,
+                                              segment_ids=segment_ids)
+      aux["block_idx"] = block_idx
+    elif in_warmup:
+      out = jax.lax.cond(step_state["step"] < msa.warmup_steps, dense, sparse)
+    elif fuse_lse:
+      out, lse = msa_ops.sparse_attention_with_lse(q, k, v, block_idx, block_size=msa.block_size,
+                                                   q_offset=q_offset, **seg)
+    else:
+      out = sparse()
+    if training:
+      aux.update(self._kl_and_metrics(q, k, q_idx, k_idx, block_idx, ops, seg, lse, q_offset, segment_ids,
+                                      step_state["step"], in_warmup))
+    return self.output(out.astype(self.dtype)), aux
+
+  def _kl_and_metrics(self, q, k, q_idx, k_idx, block_idx, ops, seg, lse, q_offset, segment_ids, step,
+                      in_warmup: bool) -> dict[str, Any]:
+    """The index branch's KL loss (dense target during warmup) and the selection's recall metrics."""
+    msa = self.msa
+
+    def kl_of(idx):
+      return msa_ops.kl_loss(q, k, q_idx, k_idx, idx, **ops, **seg, lse=lse)
+
+    if in_warmup:
+      kl = jax.lax.cond(step < msa.warmup_steps, lambda: kl_of(None), lambda: kl_of(block_idx))
+    else:
+      kl = kl_of(block_idx)
+    metrics = block_metrics(q, k, block_idx, block_size=msa.block_size,
+                            q_offset=k.shape[1] - q.shape[1] if q_offset is None else q_offset,
+                            segment_ids=segment_ids, num_queries=msa.metric_queries,
+                            key=jax.random.fold_in(jax.random.key(0), step), local_blocks=msa.local_blocks)
+    return {"kl_loss": kl, "metrics": {"kl": kl, **metrics}}
