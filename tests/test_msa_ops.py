@@ -63,16 +63,22 @@ def call(impl: str, op: str, *args, query_chunk: int = QUERY_CHUNK, **kwargs):
   return getattr(msa, op)(*args, implementation=impl, **kwargs)
 
 
+def _marks(impl: str):
+  # Interpret-mode Pallas is the slow part of these tests: the full suite runs it, the fast tier does not.
+  return (pytest.mark.slow,) if impl.startswith("pallas") else ()
+
+
 def impls(*names: str):
   """Parametrises `impl` over the named implementations: @impls(*FAST, "pallas")."""
-  return pytest.mark.parametrize("impl", names)
+  return pytest.mark.parametrize("impl", [pytest.param(n, id=n, marks=_marks(n)) for n in names])
 
 
 def impl_cases(cases: list[Case], **more: list[Case]):
   """Parametrises `impl, c`: each FAST implementation on every case of `cases`, and each implementation named in
   `more` on its own case list (interpret-mode Pallas runs a subset): @impl_cases(CASES, pallas=CASES[:3])."""
   pairs = [(i, c) for i in FAST for c in cases] + [(i, c) for i, cs in more.items() for c in cs]
-  return pytest.mark.parametrize("impl,c", [pytest.param(i, c, id=f"{i}-{case_id(c)}") for i, c in pairs])
+  return pytest.mark.parametrize("impl,c", [pytest.param(i, c, id=f"{i}-{case_id(c)}", marks=_marks(i))
+                                            for i, c in pairs])
 
 
 def doc_inputs(x, lo, hi):

@@ -22,6 +22,9 @@ from pallas_kernels.msa.pallas_map import build_kv_map
 from tests.oracles import (CASES, PALLAS_SMALL_TILES, RAGGED_SEGMENTS, Case, assert_attention_matches, assert_close,
                            assert_selection, make_inputs, np_attention, np_kl, np_select_blocks, np_support)
 
+# Every test here runs Pallas kernels in interpret mode (seconds each on a CPU): the full suite only.
+pytestmark = pytest.mark.slow
+
 
 def pallas_vjp(x, block_idx, c: Case, *, segment_ids=None, scale=None, q_offset=None, **knobs):
   """(out, dq, dk, dv) of the Pallas kernels for cotangent x['dout']."""

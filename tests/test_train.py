@@ -2,6 +2,7 @@
 export -> eval, the NaN guard, and the errors a user gets before compilation."""
 
 import json
+import glob
 import os
 import signal
 import subprocess
@@ -227,3 +228,19 @@ def test_two_processes_match_one_and_share_checkpoints(data_dir, tmp_path):
   a, b = losses(work), losses(single)
   assert sorted(a) == list(range(1, 7))
   np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-5)
+
+
+def test_profile_steps_write_a_trace_and_leave_the_losses_alone(data_dir, tmp_path):
+  """train.profile_steps=2,3 writes a trace (an xplane file for TensorBoard / xprof and a Perfetto JSON) and the
+  run's losses equal an untraced run's; a bad spec is refused before the workdir is touched."""
+  plain, traced = str(tmp_path / "plain"), str(tmp_path / "traced")
+  trainer.train_and_evaluate(small_config(data_dir, **{"train.steps": 4}), plain)
+  trainer.train_and_evaluate(small_config(data_dir, **{"train.steps": 4, "train.profile_steps": "2,3"}), traced)
+  assert losses(traced) == losses(plain)
+  found = {os.path.basename(f) for f in glob.glob(os.path.join(traced, "profile", "**", "*"), recursive=True)}
+  assert any(f.endswith(".xplane.pb") for f in found), found
+  assert any(f.endswith("trace.json.gz") for f in found), found
+  for spec in ("3,2", "0,1", "a,b"):
+    with pytest.raises(ValueError, match="train.profile_steps"):
+      trainer.train_and_evaluate(small_config(data_dir, **{"train.profile_steps": spec}), str(tmp_path / "bad"))
+  assert not os.path.exists(tmp_path / "bad" / "profile")

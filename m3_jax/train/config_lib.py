@@ -99,6 +99,22 @@ def check_train_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train.seq_len={t.seq_len} must be >= 2")
   if int(config.checkpoint.every) < 0:
     raise ValueError(f"checkpoint.every={config.checkpoint.every} must be >= 0 (0 disables periodic saves)")
+  profile_steps(config)
+
+
+def profile_steps(config: ml_collections.ConfigDict) -> tuple[int, int] | None:
+  """train.profile_steps "FIRST,LAST" -> (FIRST, LAST), 1-based and inclusive; None when empty."""
+  spec = str(config.train.get("profile_steps", "") or "").strip()
+  if not spec:
+    return None
+  first, _, last = spec.partition(",")
+  try:
+    first_i, last_i = int(first), int(last or first)
+  except ValueError:
+    raise ValueError(f"train.profile_steps={spec!r} is not FIRST,LAST (two step numbers)") from None
+  if not 1 <= first_i <= last_i:
+    raise ValueError(f"train.profile_steps={spec!r}: need 1 <= FIRST <= LAST")
+  return first_i, last_i
 
 
 def to_jsonable(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -31,6 +31,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.seed = 0
   c.train.log_every = 10
   c.train.eval_every = 200
+  # "FIRST,LAST": write a jax.profiler trace of train steps FIRST..LAST (1-based, inclusive) to WORKDIR/profile
+  # (TensorBoard / xprof read it; a Perfetto trace.json.gz beside it). "" = no trace.
+  c.train.profile_steps = ""
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-3

@@ -4,6 +4,7 @@ that prints the step's per-device memory before step 1."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any, Callable
@@ -86,6 +87,9 @@ class Loop:
     self.final_eval: dict = {}
     self.last_saved = last_saved
     self.t_last, self.tok_last = time.time(), 0.0
+    self.profile = config_lib.profile_steps(config)
+    self.profile_dir = os.path.join(workdir, "profile")
+    self._tracing = False
 
   @property
   def stop_requested(self) -> bool:
@@ -106,8 +110,23 @@ class Loop:
     self.t_last = time.time()
     return ev
 
+  def before_step(self, step: int) -> None:
+    """`step` (1-based) is about to run: start the profiler trace at the first profiled step."""
+    if self.profile and step == self.profile[0] and jax.process_index() == 0:
+      jax.profiler.start_trace(self.profile_dir, create_perfetto_trace=True)
+      self._tracing = True
+
+  def _stop_trace(self, metrics) -> None:
+    jax.block_until_ready(metrics)  # the trace must hold the last profiled step's device work
+    jax.profiler.stop_trace()
+    self._tracing = False
+    self.progress.message(f"profile of steps {self.profile[0]}..{self.profile[1]} in {self.profile_dir} "
+                          "(their tokens/s include the tracing overhead)")
+
   def after_step(self, step: int, state: TrainState, metrics: dict[str, Any]) -> None:
     """`step` has just been taken: log, save and evaluate as due (metrics stay on device otherwise)."""
+    if self._tracing and (step == self.profile[1] or step == self.steps):
+      self._stop_trace(metrics)
     self.tok_last += self.tokens_per_step
     is_log = step % self.log_every == 0 or step == self.steps or step == self.start + 1
     saving = self.ckpt.every > 0 and step % self.ckpt.every == 0
@@ -137,6 +156,9 @@ class Loop:
     self.t_last, self.tok_last = time.time(), 0.0
 
   def close(self) -> None:
+    if self._tracing:  # the loop stopped inside the profiled steps (SIGTERM, Ctrl-C, an error)
+      jax.profiler.stop_trace()
+      self._tracing = False
     self.progress.close()
     self.ckpt.close()
     self.writer.close()

@@ -113,6 +113,7 @@ def _train(run: loop.Loop, train_step, state: state_lib.TrainState, batch: dict 
       if run.start == 0 and run.eval_every > 0:
         run.first_eval = run.evaluate(0, state)
       while step < run.steps:
+        run.before_step(step + 1)
         state, metrics = train_step(state, batch)
         step += 1
         run.after_step(step, state, metrics)
