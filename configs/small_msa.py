@@ -9,7 +9,8 @@ r"""Long-context training of a small M3-shaped model with MSA or dense attention
 8 layers, width 1024, SwiGLU-OAI 4096 (small_lm's shape), head dim 128. attention=msa: layer 0 dense, layers 1-7
 `minimax_m3_sparse` (block 128, top 16 blocks, 1 local block, Pallas kernels for selection, sparse attention and
 KL; no indexer warmup unless warmup_steps > 0); attention=dense: every layer cuDNN dense attention. `heads` is
-q/kv heads: 8/2 (G=4) or 16/1 (G=16, M3's group size). `remat` wraps each layer in jax.checkpoint.
+q/kv heads: 8/2 (G=4) or 16/1 (G=16, M3's group size). `remat` wraps each layer in jax.checkpoint;
+`remat_policy=save_selection` keeps the MSA block selection from the forward (the backward skips the index scoring).
 """
 
 from m3_jax.train.config_lib import parse_arg
@@ -19,8 +20,8 @@ LAYERS = 8
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, document_mask=False, steps=200,
-                batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1)
+  a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, remat_policy="full", document_mask=False,
+                steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1)
   if a.attention not in ("msa", "dense"):
     raise ValueError(f"configs/small_msa.py: attention={a.attention!r}; expected 'msa' or 'dense'")
   hq, _, hkv = a.heads.partition("/")
@@ -52,6 +53,7 @@ def get_config(arg=None):
   m.attention_impl = "cudnn"
   m.dtype = "bfloat16"
   m.remat = a.remat
+  m.remat_policy = a.remat_policy
   m.document_mask = a.document_mask
 
   c.train.steps = a.steps

@@ -172,3 +172,46 @@ def test_pallas_training_step_with_lse_fusion_matches_xla():
   _, aux_x = model(x, step_state={"step": jnp.int32(10**6)})
   _, aux_p = pallas_model(x, step_state={"step": jnp.int32(10**6)})
   np.testing.assert_allclose(float(aux_p["kl_loss"]), float(aux_x["kl_loss"]), rtol=1e-5)
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+  """Occurrences of primitive `name` in a jaxpr, sub-jaxprs (remat, pjit, cond, custom rules) included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          n += _count_primitive(inner, name)
+  return n
+
+
+@pytest.mark.parametrize("policy", ["full", "save_selection"])
+def test_remat_policies_keep_losses_and_gradients(policy):
+  """remat (either policy) gives the LM and KL losses and gradients of the model without remat (f32); the
+  save_selection policy keeps the top-k out of the backward's recompute: one top_k per MSA layer in the whole
+  gradient program, against two for full remat (forward + recompute)."""
+  cfg = msa_cfg(layer_types=["minimax_m3_sparse", "minimax_m3_sparse"])
+  base = randomize(TextModel(cfg, rngs=nnx.Rngs(4)))
+  rematted = TextModel(cfg.replace(remat=True, remat_policy=policy), rngs=nnx.Rngs(4))
+  nnx.update(rematted, nnx.state(base))
+  x = ids()
+  for which in ("lm", "kl"):
+    g_base, g_remat = _grads(base, x, which), _grads(rematted, x, which)
+    assert _norm(g_base.values()) > 0
+    for k, v in g_base.items():
+      np.testing.assert_allclose(np.asarray(g_remat[k].get_value()), np.asarray(v.get_value()), rtol=1e-5,
+                                 atol=1e-7, err_msg=f"{policy} {which} {k}")
+  (lm_b, aux_b), (lm_r, aux_r) = (m(x, step_state={"step": jnp.int32(10**6)}) for m in (base, rematted))
+  np.testing.assert_allclose(np.asarray(lm_r), np.asarray(lm_b), rtol=1e-6)
+  np.testing.assert_allclose(float(aux_r["kl_loss"]), float(aux_b["kl_loss"]), rtol=1e-6)
+
+  graphdef, state = nnx.split(rematted)
+
+  def loss(st):
+    logits, aux = nnx.merge(graphdef, st)(x, step_state={"step": jnp.int32(10**6)})
+    return jnp.mean(logits) + aux["kl_loss"]
+
+  top_ks = _count_primitive(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, "top_k")
+  assert top_ks == {"full": 4, "save_selection": 2}[policy], top_ks

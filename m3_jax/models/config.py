@@ -22,6 +22,9 @@ MLP_DENSE = "dense"
 MLP_MOE = "sparse"
 MLP_LAYER_TYPES = (MLP_DENSE, MLP_MOE)
 MOE_IMPLS = ("ragged", "dense", "capacity")
+# With remat: "full" recomputes the whole layer in the backward; "save_selection" keeps each MSA layer's block
+# selection (int32 [B, Hkv, T, topk]) from the forward, so the recompute skips the index scoring and the top-k.
+REMAT_POLICIES = ("full", "save_selection")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,7 @@ class TextConfig:
   dtype: str = "float32"  # activation / compute dtype; parameters are kept in `param_dtype`
   param_dtype: str = "float32"
   remat: bool = False
+  remat_policy: str = "full"  # one of REMAT_POLICIES (used when remat is True)
 
   def __post_init__(self):
     # Lists from JSON/ml_collections become tuples so the config stays hashable (it is a jit static argument).
@@ -117,6 +121,8 @@ class TextConfig:
       bad(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     if self.moe_impl not in MOE_IMPLS:
       bad(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
+    if self.remat_policy not in REMAT_POLICIES:
+      bad(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
     if self.capacity_factor <= 0:
       bad(f"capacity_factor={self.capacity_factor} must be positive")
     if self.tie_word_embeddings:

@@ -15,9 +15,14 @@ from flax import nnx
 
 from m3_jax.core.sharding import constrain
 from m3_jax.models.attention import make_attention
+from m3_jax.models.attention.msa import SELECTION_NAME
 from m3_jax.models.config import MLP_DENSE, TextConfig
 from m3_jax.models.layers import DenseMLP, RMSNorm, param
 from m3_jax.models.moe import MoE, MoEDims
+
+
+# TextConfig.remat_policy -> jax.checkpoint policy (None: save nothing, recompute the whole layer).
+_REMAT_POLICIES = {"full": None, "save_selection": jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)}
 
 
 def _dtype(name: str):
@@ -95,7 +100,8 @@ class TextModel(nnx.Module):
 
       def run(layer, *args):  # noqa: F811  (layers do not mutate state in the forward, so split/merge is exact)
         graphdef, state = nnx.split(layer)
-        return jax.checkpoint(lambda st, *a: plain(nnx.merge(graphdef, st), *a))(state, *args)
+        return jax.checkpoint(lambda st, *a: plain(nnx.merge(graphdef, st), *a),
+                              policy=_REMAT_POLICIES[self.cfg.remat_policy])(state, *args)
     for i, layer in enumerate(self.layers):
       x, aux = run(layer, x, positions, segment_ids, mask, None if caches is None else caches[i])
       if "moe_aux_loss" in aux:

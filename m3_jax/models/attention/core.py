@@ -42,13 +42,6 @@ def attention_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.A
   if hq % hkv:
     raise ValueError(f"attention_probs: q has {hq} heads (shape {q.shape}), not a multiple of k's {hkv} heads "
                      f"(shape {k.shape})")
-  if hq == hkv:
-    # Plain multi-head attention (the vision tower) keeps its own contraction: XLA picks the dot layout from the
-    # einsum, and the grouped form below would round differently in the last bits.
-    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    if mask is not None:
-      scores = jnp.where(mask, scores, -jnp.inf)
-    return jax.nn.softmax(scores, axis=-1)[:, :, None]  # [B, H, 1, T, S]
   qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
   if mask is not None:
@@ -63,10 +56,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array |
   b, t, hq, d = q.shape
   s = k.shape[1]
   probs = attention_probs(q, k, mask)  # [B, Hkv, G, T, S]
-  if hq == k.shape[2]:  # multi-head: the contraction of the vision tower's original code (see attention_probs)
-    out = jnp.einsum("bhts,bshd->bthd", probs[:, :, 0].astype(v.dtype), v)  # [B, T, H, D]
-  else:
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v).reshape(b, t, hq, d)  # [B, T, Hq, D]
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v).reshape(b, t, hq, d)  # [B, T, Hq, D]
   if return_probs:
     return out, probs.reshape(b, hq, t, s)
   return out

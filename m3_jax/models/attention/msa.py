@@ -19,11 +19,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from m3_jax.models.attention.dense import Attention, AttentionDims, KVCache, dense_attention
 from m3_jax.models.attention.msa_diagnostics import block_metrics, selected_probs
 from m3_jax.models.layers import RMSNorm, apply_rope, param
 from pallas_kernels import msa as msa_ops
+
+# The name of the block selection inside a rematerialised layer: a remat policy that saves it (TextConfig
+# remat_policy="save_selection") spares the backward's recompute the index scoring and the top-k.
+SELECTION_NAME = "msa_selection"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +176,7 @@ class MSAAttention(Attention):
       segment_ids = None
     ops = dict(block_size=msa.block_size, q_offset=q_offset, implementation=msa.impl)
     seg = {} if segment_ids is None else {"segment_ids": segment_ids}
-    block_idx = self._select(q_idx, k_idx, ops, seg)
+    block_idx = checkpoint_name(self._select(q_idx, k_idx, ops, seg), SELECTION_NAME)  # [B, Hkv, T, topk]
     training = step_state is not None
     in_warmup = training and msa.warmup_steps > 0
     # On the Pallas kernels the KL reuses the attention forward's log-sum-exp (LSE fusion): a training step then
