@@ -72,6 +72,16 @@ def _norm(g):
   return float(jnp.sqrt(sum(jnp.sum(v.get_value() ** 2) for v in g)))
 
 
+def assert_same_kl_and_lm_grads(ref, other, x, what: str, **tol):
+  """`other`'s LM and KL gradients equal `ref`'s (which must be non-zero) within `tol`, parameter by parameter."""
+  for which in ("kl", "lm"):
+    g_ref, g_other = _grads(ref, x, which), _grads(other, x, which)
+    assert _norm(g_ref.values()) > 0
+    for k, v in g_ref.items():
+      np.testing.assert_allclose(np.asarray(g_other[k].get_value()), np.asarray(v.get_value()), **tol,
+                                 err_msg=f"{what} {which} {k}")
+
+
 @pytest.mark.parametrize("step", [0, 10**6])  # warmup (dense KL) and sparse
 def test_kl_trains_only_the_indexer_and_lm_loss_never_reaches_it(step):
   cfg = msa_cfg(warmup_steps=5)
@@ -163,12 +173,7 @@ def test_pallas_training_step_with_lse_fusion_matches_xla():
   pallas_model = TextModel(cfg.replace(msa_impl="pallas"), rngs=nnx.Rngs(0))
   nnx.update(pallas_model, nnx.state(model))
   x = ids()
-  for which in ("kl", "lm"):
-    g_x, g_p = _grads(model, x, which), _grads(pallas_model, x, which)
-    assert _norm(g_x.values()) > 0
-    for k, v in g_x.items():
-      np.testing.assert_allclose(np.asarray(g_p[k].get_value()), np.asarray(v.get_value()), atol=2e-6,
-                                 err_msg=f"{which} {k}")
+  assert_same_kl_and_lm_grads(model, pallas_model, x, "pallas", atol=2e-6)
   _, aux_x = model(x, step_state={"step": jnp.int32(10**6)})
   _, aux_p = pallas_model(x, step_state={"step": jnp.int32(10**6)})
   np.testing.assert_allclose(float(aux_p["kl_loss"]), float(aux_x["kl_loss"]), rtol=1e-5)
@@ -197,12 +202,7 @@ def test_remat_policies_keep_losses_and_gradients(policy):
   rematted = TextModel(cfg.replace(remat=True, remat_policy=policy), rngs=nnx.Rngs(4))
   nnx.update(rematted, nnx.state(base))
   x = ids()
-  for which in ("lm", "kl"):
-    g_base, g_remat = _grads(base, x, which), _grads(rematted, x, which)
-    assert _norm(g_base.values()) > 0
-    for k, v in g_base.items():
-      np.testing.assert_allclose(np.asarray(g_remat[k].get_value()), np.asarray(v.get_value()), rtol=1e-5,
-                                 atol=1e-7, err_msg=f"{policy} {which} {k}")
+  assert_same_kl_and_lm_grads(base, rematted, x, policy, rtol=1e-5, atol=1e-7)
   (lm_b, aux_b), (lm_r, aux_r) = (m(x, step_state={"step": jnp.int32(10**6)}) for m in (base, rematted))
   np.testing.assert_allclose(np.asarray(lm_r), np.asarray(lm_b), rtol=1e-6)
   np.testing.assert_allclose(float(aux_r["kl_loss"]), float(aux_b["kl_loss"]), rtol=1e-6)
