@@ -21,7 +21,8 @@ LAYERS = 8
 
 def get_config(arg=None):
   a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, remat_policy="full", document_mask=False,
-                steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1)
+                steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1,
+                metrics_every=10)
   if a.attention not in ("msa", "dense"):
     raise ValueError(f"configs/small_msa.py: attention={a.attention!r}; expected 'msa' or 'dense'")
   hq, _, hkv = a.heads.partition("/")
@@ -50,6 +51,7 @@ def get_config(arg=None):
   m.index_local_blocks = a.local_blocks
   m.warmup_steps = a.warmup_steps
   m.msa_impl = a.msa_impl
+  m.msa_metrics_every = a.metrics_every  # the recall diagnostics on the logged steps only (log_every 10)
   m.attention_impl = "cudnn"
   m.dtype = "bfloat16"
   m.remat = a.remat

@@ -192,6 +192,32 @@ def _count_primitive(jaxpr, name: str) -> int:
   return n
 
 
+def test_diagnostics_cadence_keeps_losses_and_gradients():
+  """msa_metrics_every=2: the recall metrics are those of the every-step model on steps 0, 1, 3 (step 0, and step + 1
+  divisible by 2) and NaN on step 2; losses and gradients are the same on every step."""
+  base = randomize(TextModel(msa_cfg(), rngs=nnx.Rngs(5)))
+  sparse = TextModel(msa_cfg(msa_metrics_every=2), rngs=nnx.Rngs(5))
+  nnx.update(sparse, nnx.state(base))
+  x = ids(seed=5)
+  for step in range(4):
+    (lm_b, aux_b), (lm_s, aux_s) = (m(x, step_state={"step": jnp.int32(step)}) for m in (base, sparse))
+    np.testing.assert_array_equal(np.asarray(lm_s), np.asarray(lm_b))
+    assert float(aux_s["kl_loss"]) == float(aux_b["kl_loss"])
+    recall = {k: v for k, v in aux_b["metrics"].items() if not k.endswith("/kl")}
+    assert recall and all(np.isfinite(np.asarray(v)).all() for v in recall.values())
+    for k, v in recall.items():
+      got = np.asarray(aux_s["metrics"][k])
+      if step != 2:
+        # inside lax.cond XLA fuses the reductions differently: f32 rounding, a few ulps
+        np.testing.assert_allclose(got, np.asarray(v), rtol=1e-6, err_msg=f"step {step} {k}")
+      else:
+        assert np.isnan(got).all(), (step, k, got)
+  # _grads takes step 10**6: odd step + 1, a step without diagnostics
+  assert_same_kl_and_lm_grads(base, sparse, x, "metrics_every=2", rtol=1e-6, atol=1e-8)
+  with pytest.raises(ValueError, match="msa_metrics_every=0"):
+    TextModel(msa_cfg(msa_metrics_every=0), rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("policy", ["full", "save_selection"])
 def test_remat_policies_keep_losses_and_gradients(policy):
   """remat (either policy) gives the LM and KL losses and gradients of the model without remat (f32); the

@@ -68,6 +68,8 @@ class TextConfig:
   msa_impl: str = "xla"  # pallas_kernels.msa implementation: xla | reference | pallas
   msa_index_fp8: bool = False  # select blocks from fp8 (e4m3) index q/k, one scale per vector (quantize_index)
   msa_metric_queries: int = 64  # queries sampled per step for the recall metrics
+  # recall metrics (dense scores of the sampled queries, argsorts) on step 0 and every N-th step, NaN between
+  msa_metrics_every: int = 1
   # Ours, not HF's: implementation switches and training-only knobs.
   attention_impl: str = "xla"
   # Packed rows hold several documents; True masks attention between them (exact per-document training). False

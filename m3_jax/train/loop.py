@@ -149,6 +149,9 @@ class Loop:
     m["tokens_per_sec"] = tps
     m["mfu"] = (tps * self.flops_per_step / self.tokens_per_step / (self.peak * jax.device_count())
                 if self.peak else None)
+    stats = jax.local_devices()[0].memory_stats() or {}  # None on the CPU backend
+    if "peak_bytes_in_use" in stats:
+      m["peak_memory_gib"] = stats["peak_bytes_in_use"] / 2**30
     m.update(inputs.text_stream_metrics(self.data_iter))
     self.writer.write(step, m)
     self.progress.update(step, f"loss {float(m['loss']):.4f} lr {float(m['lr']):.2e} "

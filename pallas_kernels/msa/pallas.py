@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.msa import pallas_bwd, pallas_fwd
 from pallas_kernels.msa._common import cdiv, pad_keys, row_offsets, usable_slots
-from pallas_kernels.msa.pallas_map import build_kv_map
+from pallas_kernels.msa.pallas_map import build_kv_map, chunk_layout
 
 
 def _pow2(n: int) -> bool:
@@ -37,10 +37,11 @@ class KernelConfig:
   """Static knobs of the Pallas kernels (hashable: part of the jit cache key).
 
   rows: query rows (pairs x G heads) per KV-outer forward step; fwd_steps: steps per forward program (a program
-    loads its KV block once for up to fwd_steps * rows rows); bwd_rows: rows per backward loop step;
-    merge_rows: query rows per merge program. None = by dtype: the H200's 227 KB of shared memory per program
-    holds a 128-row bf16 forward tile but only a 64-row backward step (q, dO, K, V and the transposed P and dS
-    tiles all live there); f32 halves both.
+    loads its KV block once for up to fwd_steps * rows rows); bwd_rows: rows per backward loop step; bwd_steps:
+    steps per backward program (None: as many as split the pairs into about 1024 programs, see
+    pallas_bwd.backward_chunk); merge_rows: query rows per merge program. rows / bwd_rows None = by dtype: the
+    H200's 227 KB of shared memory per program holds a 128-row bf16 forward tile but only a 64-row backward
+    step (q, dO, K, V and the transposed P and dS tiles all live there); f32 halves both.
   partial_dtype: dtype of the per-pair forward partials; None = q's dtype (each partial is normalised before it is
     rounded, and the merge weights are f32).
   dq_dtype: dtype of the per-pair dQ partials, None = q's dtype (each partial is a sum over one block in f32,
@@ -54,6 +55,7 @@ class KernelConfig:
   fwd_steps: int = 8
   fwd_stages: int = 1
   bwd_rows: int | None = None
+  bwd_steps: int | None = None
   merge_rows: int = 128
   partial_dtype: str | None = None
   dq_dtype: str | None = None
@@ -171,8 +173,11 @@ def _attention_bwd(cfg, res, cotangents):
   T_pad = cdiv(T, TQ) * TQ
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).reshape(B, T * Hq)  # [B, T*Hq]
   dq_dtype = q2.dtype if cfg.dq_dtype is None else jnp.dtype(cfg.dq_dtype)
+  P = T * K
+  chunks = chunk_layout(kv_map.blk_start, kv_map.blk_count, P,
+                        pallas_bwd.backward_chunk(B * Hkv, P, R, cfg.bwd_steps))
   dk, dv, dq_part = pallas_bwd.kv_outer_backward(
-      q2, kp, vp, do.reshape(B, T * Hq, D).astype(q2.dtype), lse, delta, kv_map, offset, segp, G=G, R=R,
+      q2, kp, vp, do.reshape(B, T * Hq, D).astype(q2.dtype), lse, delta, kv_map, chunks, offset, segp, G=G, R=R,
       bs=cfg.block_size, scale=cfg.scale, dq_dtype=dq_dtype, interpret=cfg.interpret,
       num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
   dq = pallas_bwd.merge_dq(pair_pos, dq_part, B=B, T_pad=T_pad, Hq=Hq, Hkv=Hkv, K=K, TQ=TQ, out_dtype=q2.dtype,

@@ -11,9 +11,10 @@ skip recomputing it: the paper's "LSE fusion"), the teacher needs no second norm
 Forward: one KV-outer program per chunk of (query, slot) pairs of one block (pallas_map) writes, per pair, four
 numbers: max and sum-exp of z over the block's visible keys, sum P log P and sum P z. XLA merges them per row (tiny
 arrays: 4 floats per pair). Backward: dL/dz = (softmax_I(z) - P) / (B * T * Hkv) on I, and only q_idx and k_idx
-receive gradients (the teacher is a stop-gradient target). One program per (b, h, block) loops over the block's pairs
-(like the attention backward): it accumulates the block's dk_idx for this group in registers and writes each pair's
-dq_idx share, which merge_dq sums per query. dk_idx of the shared index key is summed over the groups by XLA.
+receive gradients (the teacher is a stop-gradient target). One program per chunk of a block's pairs (like the
+attention backward) accumulates its share of the block's dk_idx for this group in registers (merge_blocks sums the
+chunks of a block) and writes each pair's dq_idx share, which merge_dq sums per query. dk_idx of the shared index
+key is summed over the groups by XLA.
 
 Everything is recomputed from q, k, lse, q_idx and k_idx; no T x S array exists at any point. The teacher's
 G heads per (query, block) are where the FLOPs are (G dots of [D, block] per pair against one for z): `KLConfig`
@@ -33,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.msa import pallas as msa_pallas
 from pallas_kernels.msa import pallas_bwd
 from pallas_kernels.msa._common import dot, iota, pad_keys, row_offsets, rows_cols, visible_mask
-from pallas_kernels.msa.pallas_map import build_kv_map
+from pallas_kernels.msa.pallas_map import build_kv_map, chunk_layout
 
 
 TEACHERS = ("fused", "loop", "unroll")
@@ -54,6 +55,7 @@ class KLConfig:
   teacher: str = "loop"
   rows: int = 32  # query pairs per loop step
   steps: int = 8  # forward: steps per program before a hot block is split over another program
+  grad_steps: int | None = None  # backward: the same, None = pallas_bwd.backward_chunk's even split
   num_warps: int = 4
   num_stages: int = 1
 
@@ -143,15 +145,14 @@ def _stats_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, s
   jax.lax.fori_loop(0, (count + R - 1) // R, step, 0)
 
 
-def _grad_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, k_ref, lse_ref, qi_ref, ki_ref,
-                 lse_z_ref, *refs, G, Hq, Hkv, R, bs, D, di, scale, index_scale, has_seg,
-                 teacher):
+def _grad_kernel(offset_ref, chunk_blk_ref, chunk_start_ref, chunk_count_ref, sorted_t_ref, q_ref, k_ref, lse_ref,
+                 qi_ref, ki_ref, lse_z_ref, *refs, G, Hq, Hkv, R, bs, D, di, scale, index_scale, has_seg, teacher):
   seg_ref = refs[0] if has_seg else None
   dki_ref, dqi_ref = refs[-2:]
-  bh, j = pl.program_id(0), pl.program_id(1)
+  bh, c = pl.program_id(0), pl.program_id(1)
   b, h = bh // Hkv, bh % Hkv
-  start, count = blk_start_ref[bh, j], blk_count_ref[bh, j]
-  k0 = pl.multiple_of(j * bs, bs)
+  start, count = chunk_start_ref[bh, c], chunk_count_ref[bh, c]
+  k0 = pl.multiple_of(chunk_blk_ref[bh, c] * bs, bs)
   k = k_ref[b, pl.ds(k0, bs), h, :]
   ki = ki_ref[b, pl.ds(k0, bs), :]
   k_pos = k0 + iota(bs)
@@ -174,7 +175,7 @@ def _grad_kernel(offset_ref, blk_start_ref, blk_count_ref, sorted_t_ref, q_ref, 
     return dki + dot(dz.astype(qi.dtype).T, qi)
 
   dki = jax.lax.fori_loop(0, (count + R - 1) // R, step, jnp.zeros((bs, di), jnp.float32))
-  dki_ref[b, h, pl.ds(k0, bs), :] = dki * index_scale
+  dki_ref[bh, c] = dki * index_scale  # this chunk's share of the block's dk_idx; merge_blocks sums the chunks
 
 
 def _prepare(q, k, q_idx, k_idx, block_idx, segment_ids, cfg):
@@ -276,15 +277,20 @@ def _kl_bwd(cfg, res, g):
   x = _prepare(q, k, q_idx, k_idx, block_idx, seg, cfg)
   m = x["kv_map"]
   B, T, Hkv, di = x["B"], x["T"], x["Hkv"], x["di"]
-  BH, nb = m.blk_start.shape
+  BH = B * Hkv
   S_pad = x["kp"].shape[1]
+  P = T * x["K"]
+  chunks = chunk_layout(m.blk_start, m.blk_count, P, pallas_bwd.backward_chunk(BH, P, cfg.rows, cfg.grad_steps))
+  C = chunks.blk.shape[1]
   kernel = functools.partial(_grad_kernel, **_common_kw(x, cfg))
-  dki, dqi_part = _call(
-      kernel, (BH, nb),
-      (jax.ShapeDtypeStruct((B, Hkv, S_pad, di), jnp.float32),
+  dki_part, dqi_part = _call(
+      kernel, (BH, C),
+      (jax.ShapeDtypeStruct((BH, C, cfg.block_size, di), jnp.float32),
        jax.ShapeDtypeStruct((BH, m.sorted_t.shape[1], di), jnp.float32)),
-      (offset, m.blk_start, m.blk_count, m.sorted_t, x["q2"], x["kp"], lse2, x["qi2"], x["kip"], lse_z), x, cfg,
-      "msa_kl_grad")
+      (offset, chunks.blk, chunks.start, chunks.count, m.sorted_t, x["q2"], x["kp"], lse2, x["qi2"], x["kip"],
+       lse_z), x, cfg, "msa_kl_grad")
+  dki, = pallas_bwd.merge_blocks(chunks, (dki_part,), jnp.float32, interpret=cfg.interpret)
+  dki = dki.reshape(B, Hkv, S_pad, di)
   TQ = 128
   T_pad = -(-T // TQ) * TQ
   pair_pos = jnp.pad(m.pair_pos, ((0, 0), (0, (T_pad - T) * x["K"])), constant_values=-1)

@@ -64,23 +64,49 @@ def build_kv_map(block_idx: jax.Array, num_blocks: int, rows_per_chunk: int, pad
   bounds = bounds.astype(jnp.int32)  # [BH, nb + 1]
   blk_start, blk_count = bounds[:, :nb], bounds[:, 1:] - bounds[:, :nb]
 
-  n_chunks = (blk_count + R - 1) // R  # [BH, nb]
-  chunk_end = jnp.cumsum(n_chunks, axis=-1)  # chunks of blocks 0..j
-  C = cdiv(P, R) + nb
-  c = jnp.arange(C, dtype=jnp.int32)
-  chunk_blk = jax.vmap(lambda e: jnp.searchsorted(e, c, side="right"))(chunk_end).astype(jnp.int32)  # [BH, C]
-  live = chunk_blk < nb
-  cb = jnp.minimum(chunk_blk, nb - 1)
-  first = jnp.take_along_axis(chunk_end - n_chunks, cb, axis=-1)  # first chunk id of the chunk's block
-  local = c - first
-  start = jnp.take_along_axis(blk_start, cb, axis=-1) + local * R
-  count = jnp.clip(jnp.take_along_axis(blk_count, cb, axis=-1) - local * R, 0, R)
+  chunks = chunk_layout(blk_start, blk_count, P, R)
   return KVMap(
       sorted_t=jnp.pad(sorted_t, ((0, 0), (0, R if pad is None else max(pad, R)))),
       blk_start=blk_start,
       blk_count=blk_count,
-      chunk_blk=jnp.where(live, cb, 0),
-      chunk_start=jnp.where(live, start, 0),
-      chunk_count=jnp.where(live, count, 0),
+      chunk_blk=chunks.blk,
+      chunk_start=chunks.start,
+      chunk_count=chunks.count,
       pair_pos=pair_pos,
   )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+  """The pairs of every block cut into chunks of at most `pairs` consecutive pairs, per flattened (b, h) row.
+
+  blk, start, count: int32 [BH, C]  block, first pair and pairs of chunk c (count 0 = idle chunk, blk 0)
+  first, n:          int32 [BH, nb] first chunk of block j and its number of chunks (0 for a block no query chose)
+  C = ceil(P / pairs) + nb is a static bound (every block adds at most one partial chunk). A block's chunks are
+  consecutive, so a per-block reduction over them runs in a fixed order.
+  """
+  blk: jax.Array
+  start: jax.Array
+  count: jax.Array
+  first: jax.Array
+  n: jax.Array
+
+
+def chunk_layout(blk_start: jax.Array, blk_count: jax.Array, total_pairs: int, pairs: int) -> Chunks:
+  """blk_start, blk_count int32 [BH, nb] (KVMap; the counts sum to at most `total_pairs`) -> Chunks of at most
+  `pairs` pairs each. XLA on [BH, C] int32 arrays."""
+  nb = blk_count.shape[1]
+  n = (blk_count + pairs - 1) // pairs  # [BH, nb]
+  chunk_end = jnp.cumsum(n, axis=-1)  # chunks of blocks 0..j
+  C = cdiv(total_pairs, pairs) + nb
+  c = jnp.arange(C, dtype=jnp.int32)
+  blk = jax.vmap(lambda e: jnp.searchsorted(e, c, side="right"))(chunk_end).astype(jnp.int32)  # [BH, C]
+  live = blk < nb
+  cb = jnp.minimum(blk, nb - 1)
+  first = (chunk_end - n).astype(jnp.int32)  # [BH, nb]
+  local = c - jnp.take_along_axis(first, cb, axis=-1)  # chunk's rank inside its block
+  start = jnp.take_along_axis(blk_start, cb, axis=-1) + local * pairs
+  count = jnp.clip(jnp.take_along_axis(blk_count, cb, axis=-1) - local * pairs, 0, pairs)
+  return Chunks(blk=jnp.where(live, cb, 0), start=jnp.where(live, start, 0), count=jnp.where(live, count, 0),
+                first=first, n=n.astype(jnp.int32))

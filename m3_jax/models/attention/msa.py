@@ -47,6 +47,11 @@ class MSADims:
   impl: str = "xla"  # pallas_kernels.msa implementation: xla | reference | pallas
   index_fp8: bool = False  # select blocks from fp8 (e4m3) index q/k, one scale per vector
   metric_queries: int = 64  # queries sampled per step for the recall metrics
+  metrics_every: int = 1  # recall metrics on step 0 and every N-th step (step + 1 divisible by N), NaN on the others
+
+  def __post_init__(self):
+    if self.metrics_every < 1:
+      raise ValueError(f"msa_metrics_every={self.metrics_every}: expected >= 1 (1 = every step)")
 
   @classmethod
   def from_config(cls, cfg) -> "MSADims":
@@ -54,7 +59,7 @@ class MSADims:
                index_dim=cfg.index_head_dim, block_size=cfg.index_block_size, topk_blocks=cfg.index_topk_blocks,
                local_blocks=cfg.index_local_blocks, warmup_steps=cfg.warmup_steps,
                detach_index_input=cfg.detach_index_input, impl=cfg.msa_impl, index_fp8=cfg.msa_index_fp8,
-               metric_queries=cfg.msa_metric_queries)
+               metric_queries=cfg.msa_metric_queries, metrics_every=cfg.msa_metrics_every)
 
 
 @flax.struct.dataclass
@@ -219,8 +224,19 @@ class MSAAttention(Attention):
       kl = jax.lax.cond(step < msa.warmup_steps, lambda: kl_of(None), lambda: kl_of(block_idx))
     else:
       kl = kl_of(block_idx)
-    metrics = block_metrics(q, k, block_idx, block_size=msa.block_size,
-                            q_offset=k.shape[1] - q.shape[1] if q_offset is None else q_offset,
-                            segment_ids=segment_ids, num_queries=msa.metric_queries,
-                            key=jax.random.fold_in(jax.random.key(0), step), local_blocks=msa.local_blocks)
+
+    def diagnostics():
+      return block_metrics(q, k, block_idx, block_size=msa.block_size,
+                           q_offset=k.shape[1] - q.shape[1] if q_offset is None else q_offset,
+                           segment_ids=segment_ids, num_queries=msa.metric_queries,
+                           key=jax.random.fold_in(jax.random.key(0), step), local_blocks=msa.local_blocks)
+
+    if msa.metrics_every == 1:
+      metrics = diagnostics()
+    else:
+      # The trainer logs the metrics of steps whose count after the update (step + 1) is a multiple of its
+      # log_every, and of the first step: with N dividing log_every those are exactly the steps computed here.
+      due = (step == 0) | ((step + 1) % msa.metrics_every == 0)
+      skipped = jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(diagnostics))
+      metrics = jax.lax.cond(due, diagnostics, lambda: skipped)
     return {"kl_loss": kl, "metrics": {"kl": kl, **metrics}}

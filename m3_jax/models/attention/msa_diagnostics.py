@@ -1,5 +1,6 @@
-"""MSA's analysis paths, outside the training math: the selection's recall metrics (`block_metrics`, logged every
-step) and the materialised probabilities the sparse branch uses (`selected_probs`, for `capture_attention`).
+"""MSA's analysis paths, outside the training math: the selection's recall metrics (`block_metrics`, on the steps
+`msa_metrics_every` picks) and the materialised probabilities the sparse branch uses (`selected_probs`, for
+`capture_attention`).
 
 Both compute dense probabilities with the shared masked-softmax core (core.py); neither carries a gradient into
 the model's training signal.
