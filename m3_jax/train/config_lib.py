@@ -97,6 +97,9 @@ def check_train_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"train.{key}={t[key]} must be positive")
   if t.seq_len < 2:
     raise ValueError(f"train.seq_len={t.seq_len} must be >= 2")
+  spike = float(t.get("loss_spike", 0.0) or 0.0)
+  if spike != 0.0 and spike <= 1.0:
+    raise ValueError(f"train.loss_spike={spike:g} must be 0 (off) or > 1 (a multiple of the lowest loss so far)")
   if int(config.checkpoint.every) < 0:
     raise ValueError(f"checkpoint.every={config.checkpoint.every} must be >= 0 (0 disables periodic saves)")
   profile_steps(config)

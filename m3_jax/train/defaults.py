@@ -34,6 +34,10 @@ def base_config() -> ml_collections.ConfigDict:
   # "FIRST,LAST": write a jax.profiler trace of train steps FIRST..LAST (1-based, inclusive) to WORKDIR/profile
   # (TensorBoard / xprof read it; a Perfetto trace.json.gz beside it). "" = no trace.
   c.train.profile_steps = ""
+  # Divergence: a step whose loss, gradient, update or new parameters are not finite stops the run before anything
+  # of it is saved. loss_spike > 0 also stops it when a logged loss exceeds loss_spike x the lowest loss logged so
+  # far in the run (e.g. 10). 0: off.
+  c.train.loss_spike = 0.0
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-3
@@ -59,7 +63,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 500  # 0: only at the end (and on SIGTERM / Ctrl-C)
+  # 0: only at the end (and on SIGTERM / Ctrl-C). A fresh run also saves its initial state as step 0.
+  c.checkpoint.every = 500
   c.checkpoint.keep = 3
   c.checkpoint.async_save = True
 

@@ -66,13 +66,15 @@ def load_params(config: ml_collections.ConfigDict, workdir: str, mesh: jax.shard
   ocfg = config_lib.optim_config(config)
   tx, _ = make_optimizer(ocfg)
   ckpt = ckpt_lib.make_checkpointer(config, path or workdir)
-  step = ckpt.latest_step()
+  step = ckpt.latest_intact_step()  # a corrupt newer step is skipped with a warning (the trainer moves it aside)
   if step is None:
-    raise FileNotFoundError(f"no checkpoint in {ckpt.directory} and no export directory given")
+    raise FileNotFoundError(f"no intact checkpoint in {ckpt.directory} and no export directory given")
   checks.check_compatible(ckpt.saved_config(step), config_lib.to_jsonable(config), workdir)
   graphdef, abstract, _ = abstract_state(cfg, tx, mesh)
-  state = ckpt.restore(step, abstract)
+  state, step = ckpt.restore_latest(abstract)
   ckpt.close()
+  if state is None:
+    raise FileNotFoundError(f"no intact checkpoint in {ckpt.directory} and no export directory given")
   return cfg, graphdef, state.params, state.rest, f"checkpoint step {step} of {ckpt.directory}"
 
 

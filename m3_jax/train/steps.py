@@ -61,6 +61,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
         "moe_aux_loss": aux["moe_aux_loss"],
         "kl_loss": aux["kl_loss"],
         "grad_norm": optax.global_norm(grads),
+        # the update and parameters this step produced: the divergence check reads them before anything is saved
+        "update_norm": optax.global_norm(updates),
         "param_norm": optax.global_norm(params),
         "lr": schedule(state.step),
         "tokens": count,

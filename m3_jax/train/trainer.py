@@ -26,13 +26,20 @@ from m3_jax.train.steps import make_eval_step, make_train_step, to_global
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming from its latest checkpoint) and returns the final eval metrics."""
+  """Trains `config` in `workdir` (resuming from its newest intact checkpoint) and returns the final eval metrics.
+  The workdir is locked for the run: a second trainer on it is refused, naming the one that holds it."""
   # ============================================================================================== config ==
   config_lib.check_train_config(config)
   cfg = config_lib.model_config(config)
+  # ============================================================================= workdir (one trainer only) ==
+  os.makedirs(workdir, exist_ok=True)
+  with ckpt_lib.WorkdirLock(workdir), ckpt_lib.short_library_errors():
+    return _train_and_evaluate(config, cfg, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, cfg: state_lib.ModelConfig, workdir: str) -> dict:
   text_cfg = config_lib.text_config(cfg)
   run_config = config_lib.to_jsonable(config)
-  os.makedirs(workdir, exist_ok=True)
   steps = int(config.train.steps)
 
   # ================================================================================================ mesh ==
@@ -42,8 +49,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       f"{jax.process_count()} process(es)")
 
   # ======================================================== checkpoint compatibility (before any data work) ==
-  ckpt = ckpt_lib.make_checkpointer(config, workdir)
-  latest = ckpt.latest_step()
+  # The writer removes interrupted saves' temporaries; the newest intact step has passed its digest (broken newer
+  # steps are moved aside with a warning).
+  ckpt = ckpt_lib.make_checkpointer(config, workdir, writer=True)
+  latest = ckpt.latest_intact_step()
   checks.check_compatible(ckpt.saved_config(latest) if latest is not None else None, run_config, workdir)
 
   # ================================================================================================ data ==
@@ -61,9 +70,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
          f"{cfg.vision.max_frames}" if isinstance(cfg, VLConfig) else ""))
   state = None
   if latest is not None:
-    state = ckpt.restore(latest, abstract, data_iter)
-    log(f"resumed from step {latest} in {workdir}")
+    state, latest = ckpt.restore_latest(abstract, data_iter)  # intact, restorable and finite
+    if state is not None:
+      log(f"resumed from step {latest} in {workdir}")
   start = int(jax.device_get(state.step)) if state is not None else 0
+  data_start = data_iter.get_state() if state is None else None  # for the fresh run's step-0 checkpoint
   # The first batch is checked before anything is compiled: a bad batch is a clear error here, not minutes later
   # (or a shape error inside the compiled step).
   host_batch = next(data_iter) if start < steps else None
@@ -89,6 +100,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   run = loop.Loop(config, workdir, ckpt=ckpt, data_iter=data_iter, run_config=run_config, start=start,
                   last_saved=latest, flops_per_step=loop.train_flops_per_step(cfg, config, host_batch),
                   evaluate=lambda s: evaluation.evaluate_sets(eval_step, s.params, s.rest, evals, mesh))
+  if data_start is not None:
+    run.save_initial(state, data_start)
   state, step = _train(run, compiled, state, batch, data_iter, cfg, mesh)
 
   # ========================================================================================== final eval ==
@@ -98,7 +111,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if run.first_eval and final_eval:
     log(f"held-out mean loss over {len(evals)} sources: {run.first_eval['eval/mean_loss']:.3f} (step 0) -> "
         f"{final_eval['eval/mean_loss']:.3f} (step {step})")
-  log(f"done: {workdir} holds checkpoints/ (step {run.last_saved}), metrics.jsonl and tb/")
+  log(f"done: {workdir} holds checkpoints/ (step {ckpt.last_good}), metrics.jsonl and tb/")
   return final_eval
 
 
@@ -106,8 +119,10 @@ def _train(run: loop.Loop, train_step, state: state_lib.TrainState, batch: dict 
            cfg: state_lib.ModelConfig, mesh: jax.sharding.Mesh) -> tuple[state_lib.TrainState, int]:
   """The loop from `run.start` to `run.steps`: an eval at step 0 (the starting point, so a run shows how far
   held-out loss fell), then step, log / save / eval as due, the next batch checked on the host. The state is
-  saved at the end, on SIGTERM (then the loop stops cleanly) and on Ctrl-C; never after a non-finite step."""
+  saved at the end, on SIGTERM (then the loop stops cleanly) and on Ctrl-C; never one that failed the divergence
+  check."""
   step = run.start
+  failed = True
   try:
     with jax.set_mesh(mesh):
       if run.start == 0 and run.eval_every > 0:
@@ -128,10 +143,12 @@ def _train(run: loop.Loop, train_step, state: state_lib.TrainState, batch: dict 
       else:
         if run.last_saved != step:
           run.save(step, state, force=True)
+    failed = False
   except KeyboardInterrupt:
     run.message(f"interrupted: saving step {step}")
     run.save(step, state, force=True)
+    failed = False
     raise
   finally:
-    run.close()
+    run.close(failed=failed)
   return state, step
