@@ -41,7 +41,35 @@ def main(argv):
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
       jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over loopback
     jax.distributed.initialize(**kw)
-  config, workdir = _CONFIG.value, _WORKDIR.value
+  try:
+    _run_mode(_CONFIG.value, _WORKDIR.value)
+  except Exception as e:  # noqa: BLE001
+    if os.environ.get("M3_JAX_TRACEBACK") or not _is_ours(e):
+      raise
+    # A deliberate error of ours already says what is wrong and what to do: its traceback (and the worker threads'
+    # behind it) would bury that line.
+    print(f"error: {e}\n(M3_JAX_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+_OUR_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+                  for d in ("m3_jax", "configs", "pallas_kernels"))
+
+
+def _is_ours(e: BaseException) -> bool:
+  """Our named errors (checkpoint, lock, divergence, metrics writes), or a ValueError / OSError / KeyError raised
+  by a line of this repository (a check with its message); an error raised inside a library keeps its traceback."""
+  from m3_jax.train import checkpoint, loop, metrics  # noqa: PLC0415
+  if isinstance(e, (checkpoint.CheckpointError, checkpoint.WorkdirLocked, loop.Diverged, metrics.MetricsWriteError)):
+    return True
+  tb = e.__traceback__
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return (isinstance(e, (ValueError, OSError, KeyError)) and tb is not None
+          and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_OUR_DIRS))
+
+
+def _run_mode(config, workdir: str) -> None:
   if _MODE.value == "aot":
     from m3_jax.train import aot, config_lib  # noqa: PLC0415
     if config_lib.is_multimodal(config):
