@@ -60,7 +60,10 @@ class HFTokenizer:
       file = os.path.join(checkpoint, name)
       if self.eot_id is None and os.path.exists(file):
         with open(file) as f:
-          raw = json.load(f)
+          try:
+            raw = json.load(f)
+          except ValueError as e:
+            raise ValueError(f"{file}: not valid JSON ({e})") from None
         eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
         self.eot_id = eos[0] if isinstance(eos, list) and eos else eos
 
@@ -84,9 +87,31 @@ def load_tokenizer(checkpoint: str, fallback: str):
   raise FileNotFoundError(f"no tokenizer: {checkpoint}/tokenizer.json and --tokenizer={fallback} do not exist")
 
 
+def check_args(max_new_tokens: int, temperature: float, top_p: float, checkpoint: str) -> None:
+  """The flags, checked before any model is loaded or compiled (ValueError naming the flag)."""
+  if max_new_tokens < 0:
+    raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 0 (0 prints the prompt only)")
+  if temperature < 0:
+    raise ValueError(f"--temperature={temperature} must be >= 0 (0 is greedy)")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"--top_p={top_p} must be in (0, 1]")
+  if not (os.path.isfile(os.path.join(checkpoint, "model_config.json"))
+          or os.path.isfile(os.path.join(checkpoint, "config.json"))):
+    raise ValueError(f"--checkpoint={checkpoint}: neither an export (model_config.json + params/) nor an HF "
+                     "directory (config.json + safetensors)")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    check_args(_MAX_NEW.value, _TEMP.value, _TOP_P.value, _CKPT.value)
+  except ValueError as e:
+    sys.exit(f"error: {e}")  # one line; absl's UsageError would print every flag's help around it
+  if _MAX_NEW.value == 0:  # nothing to generate: the prompt as is, without loading the model
+    print("--max_new_tokens=0: nothing generated", file=sys.stderr)
+    sys.stdout.write(_PROMPT.value + "\n")
+    return
   logging.set_verbosity(logging.WARNING)
   import jax.numpy as jnp  # noqa: PLC0415
   from m3_jax.models import decode  # noqa: PLC0415

@@ -75,6 +75,7 @@ def prepare(config: ConfigDict, *, vision: bool) -> Manifest:
   else:
     sources = ()
   verbose = jax.process_index() == 0
+  check_data_dir(d.dir, verbose=verbose)
   manifest = text_prepare.prepare(d.dir, sources=sources, text_files=parse_text_files(d.text_files),
                                   vocab_size=int(d.vocab_size), verbose=verbose)
   if vision:
@@ -89,6 +90,23 @@ def prepare(config: ConfigDict, *, vision: bool) -> Manifest:
                                   max_items={k: int(v) for k, v in _weights(m.max_items, "data.mm.max_items").items()},
                                   verbose=verbose)
   return manifest
+
+
+def check_data_dir(path: str, *, verbose: bool = True) -> None:
+  """data.dir is created (and prepared) when it does not exist, but only inside an existing directory other than
+  the filesystem root: a mistyped path is an error naming it, not a new tree somewhere."""
+  if os.path.isdir(path):
+    return
+  full = os.path.abspath(path)
+  parent = os.path.dirname(full)
+  if os.path.exists(full):
+    raise ValueError(f"data.dir={path!r} exists but is not a directory")
+  if not os.path.isdir(parent) or parent == os.path.dirname(parent):
+    where = "the filesystem root" if os.path.isdir(parent) else f"{parent}, which does not exist either"
+    raise ValueError(f"data.dir={path!r} does not exist and would be created in {where}: a typo? Create it "
+                     f"yourself (mkdir -p {full}) if you mean it, or point --config.data.dir at a prepared directory")
+  if verbose:
+    print(f"[m3_jax.data] data.dir {full} does not exist: creating it and preparing the corpus there", flush=True)
 
 
 class VisionFrom:

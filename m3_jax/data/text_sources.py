@@ -299,7 +299,36 @@ ALL_SOURCES: tuple[str, ...] = tuple(BUILTIN_SOURCES)
 DEFAULT_SOURCES: tuple[str, ...] = ("shakespeare", "milton", "kjv", "austen", "fortunes", "jargon")
 
 
+# Characters that are not text: bytes that do not decode as UTF-8 and control characters other than whitespace.
+_NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
+# A user file with more than this share of them is refused (random or binary bytes: ~60%); above _WARN_NOT_TEXT it
+# is kept with a warning (a Latin-1 file's accented letters: a few %).
+_MAX_NOT_TEXT = 0.10
+_WARN_NOT_TEXT = 0.001
+
+
 def read_text_file(path: str) -> list[str]:
-  """The documents of a user text file (see the module docstring)."""
+  """The documents of a user text file (see the module docstring). A file that is mostly not text (binary data,
+  another encoding such as UTF-16) is refused with a ValueError naming it; one with a few undecodable or control
+  characters is read (as Latin-1 when it is not UTF-8) with a warning."""
   with open(path, "rb") as f:
-    return _group_paragraphs(_decode_bytes(f.read()))
+    raw = f.read()
+  if raw:
+    bad = sum(1 for _ in _NOT_TEXT.finditer(raw.decode("utf-8", errors="replace")))
+    share = bad / len(raw)
+    if share > _MAX_NOT_TEXT:
+      raise ValueError(f"{path} does not look like text: {share:.0%} of its characters are undecodable (not UTF-8) "
+                       "or control characters (a binary file? UTF-16?); remove it from data.text_files or convert "
+                       "it to UTF-8")
+    if share > _WARN_NOT_TEXT:
+      print(f"[m3_jax.data] warning: {path}: {bad:,} characters ({share:.1%}) are undecodable as UTF-8 or control "
+            "characters; kept, the file read as " + ("UTF-8" if _is_utf8(raw) else "Latin-1"), flush=True)
+  return _group_paragraphs(_decode_bytes(raw))
+
+
+def _is_utf8(raw: bytes) -> bool:
+  try:
+    raw.decode("utf-8")
+  except UnicodeDecodeError:
+    return False
+  return True

@@ -77,7 +77,13 @@ def _raw_config(path: str | dict) -> tuple[dict, str]:
   if not os.path.exists(file):
     raise FileNotFoundError(f"{path}: no config.json")
   with open(file) as f:
-    return json.load(f), file
+    try:
+      raw = json.load(f)
+    except ValueError as e:  # UnicodeDecodeError included
+      raise ValueError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(raw, dict):
+    raise ValueError(f"{file}: a JSON {type(raw).__name__}, not the config object")
+  return raw, file
 
 
 # ---- tensor rules -----------------------------------------------------------------------------------------------

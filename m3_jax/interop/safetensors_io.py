@@ -26,9 +26,21 @@ class SafetensorsFile:
 
   def __init__(self, path: str):
     self.path = path
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      header = json.loads(f.read(n))
+      head = f.read(8)
+      if len(head) < 8:
+        raise ValueError(f"{path}: {size} bytes, too short for a safetensors file (truncated?)")
+      (n,) = struct.unpack("<Q", head)
+      if 8 + n > size:
+        raise ValueError(f"{path}: its header claims {n:,} bytes but the file has {size:,} (truncated, or not a "
+                         "safetensors file)")
+      try:
+        header = json.loads(f.read(n))
+      except ValueError as e:  # UnicodeDecodeError included
+        raise ValueError(f"{path}: the safetensors header is not valid JSON ({e}); the file is damaged") from None
+    if not isinstance(header, dict):
+      raise ValueError(f"{path}: the safetensors header is not a JSON object; the file is damaged")
     self.metadata = header.pop("__metadata__", {})
     self.header = header
     self._base = 8 + n
@@ -66,7 +78,10 @@ class Checkpoint:
     single = os.path.join(directory, "model.safetensors")
     if os.path.exists(index):
       with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
+        try:
+          weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+          raise ValueError(f"{index}: not a safetensors index (JSON with a weight_map): {e!r}") from None
       files = {fn: SafetensorsFile(os.path.join(directory, fn)) for fn in sorted(set(weight_map.values()))}
       self._where = {name: files[fn] for name, fn in weight_map.items()}
     elif os.path.exists(single):
