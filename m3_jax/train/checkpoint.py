@@ -69,6 +69,14 @@ def _agree(value: int) -> int:
   return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
+def _everywhere(ok: bool) -> bool:
+  """`ok` on every process (a restore can fail on one process only, e.g. for its own data-iterator file)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
 def _sync(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # noqa: PLC0415
@@ -332,6 +340,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.every = every
     self.writer = writer
+    self.async_save = async_save
     if writer and jax.process_index() == 0:
       self._remove_temporaries()
     _sync("m3_jax:checkpoint_temporaries")
@@ -427,14 +436,15 @@ class Checkpointer:
       raise CheckpointError(self._failed(self._pending if self._pending is not None else step, e)) from None
     if saved:
       self._pending = step
-      if not self.manager.is_saving_in_progress():
+      if not self.async_save:
         self._confirm()
     return saved
 
   def poll(self) -> None:
     """Without waiting: once the pending save has finished, its error is raised (CheckpointError) or its digest is
-    written and it becomes `last_good`."""
-    if self._pending is not None and not self.manager.is_saving_in_progress():
+    written and it becomes `last_good`. On several processes each would see its save finish at a different step and
+    confirming takes all of them: there the pending save is confirmed at the next save (or the end) instead."""
+    if self._pending is not None and jax.process_count() == 1 and not self.manager.is_saving_in_progress():
       self._confirm()
 
   def wait(self) -> None:
@@ -448,14 +458,17 @@ class Checkpointer:
       self.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001
       raise CheckpointError(self._failed(step, e)) from None
-    if not os.path.isdir(self.step_dir(step)):  # orbax skipped the finalisation: an item failed to write
-      raise CheckpointError(self._failed(step, OSError("the step directory was never finalised")))
-    if jax.process_index() == 0:
-      try:
-        write_digest(self.step_dir(step))
-      except OSError as e:
-        raise CheckpointError(self._failed(step, e)) from None
-    _sync(f"m3_jax:digest_{step}")
+    problem = None
+    if jax.process_index() == 0:  # the primary process finalised the step (renamed its directory) and digests it
+      if not os.path.isdir(self.step_dir(step)):
+        problem = OSError("its directory was never finalised (an item failed to write)")
+      else:
+        try:
+          write_digest(self.step_dir(step))
+        except OSError as e:
+          problem = e
+    if not _agree(1 if problem is None else 0):
+      raise CheckpointError(self._failed(step, problem or OSError("process 0 could not finalise it")))
     self._checked[step] = None
     self.last_good = step
 
@@ -485,11 +498,14 @@ class Checkpointer:
     step is an error to fix, not damage: then nothing is moved and the first error is raised)."""
     unreadable: list[tuple[int, str]] = []
     for step in self._intact_steps():
+      why = None
       try:
         with _quiet_library_logs():
           state = self.restore(step, abstract_state, data_iter)
       except Exception as e:  # noqa: BLE001
-        unreadable.append((step, _first_line(e)))
+        why = _first_line(e)
+      if not _everywhere(why is None):
+        unreadable.append((step, why or "it failed to restore on another process"))
         continue
       if not all_finite(state):
         self._set_aside(step, "its state holds non-finite values (saved by a diverged run)")
