@@ -221,14 +221,30 @@ def test_bad_batch_fails_before_compilation(vl_data, tmp_path, monkeypatch, caps
   first batch, with the row and the counts, before the state is initialised or any step compiled."""
   real = inputs.train_iterator
 
+  class Corrupted:
+    """The real iterator (its `get_state` too: a fresh run records the data position for its step-0 checkpoint)
+    with the first batch's first placeholder overwritten."""
+
+    def __init__(self, it):
+      self.it, self.first = it, True
+
+    def get_state(self):
+      return self.it.get_state()
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      batch = dict(next(self.it))
+      if self.first:
+        self.first = False
+        rows, cols = np.nonzero(batch["inputs"] == IMG)
+        batch["inputs"] = batch["inputs"].copy()
+        batch["inputs"][rows[0], cols[0]] = 300
+      return batch
+
   def corrupted(config, vision_cfg):
-    it = real(config, vision_cfg)
-    first = dict(next(it))
-    rows, cols = np.nonzero(first["inputs"] == IMG)
-    first["inputs"] = first["inputs"].copy()
-    first["inputs"][rows[0], cols[0]] = 300
-    yield first
-    yield from it
+    return Corrupted(real(config, vision_cfg))
 
   monkeypatch.setattr(inputs, "train_iterator", corrupted)
   work = str(tmp_path / "bad")
