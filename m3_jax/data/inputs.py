@@ -155,8 +155,12 @@ def train_iterator(config: ConfigDict, vision_cfg: Any) -> Iterator[dict]:
   d, t = config.data, config.train
   common = dict(seq_len=int(t.seq_len), global_batch_size=int(t.batch_size), seed=int(t.seed),
                 process_index=jax.process_index(), process_count=jax.process_count(), num_workers=int(d.num_workers))
+  share = float(d.tasks.share) if "tasks" in d else 0.0
   if vision_cfg is None:
-    return iter(text_pipeline.make_train_dataset(d.dir, **common))
+    return iter(text_pipeline.make_train_dataset(d.dir, task_share=share, tasks=str(d.tasks.names) if share else "",
+                                                 **common))
+  if share:
+    raise ValueError(f"data.tasks.share={share}: long-context task rows are for text configs only")
   m = d.mm
   weight, start, extra = float(m.vision_weight), int(m.vision_start_step), vision_rows(config)
   kw = {}

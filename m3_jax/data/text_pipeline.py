@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 import grain
 import numpy as np
 
+from m3_jax.data import long_tasks
 from m3_jax.data.common import check_seq_len, memmap, mp_prefetch, seed32
 from m3_jax.data.text_prepare import Manifest, load_manifest
 
@@ -206,7 +207,8 @@ def train_pieces(data_dir: str, *, seq_len: int, seed: int, sources: Sequence[st
 def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, seed: int,
                        sources: Sequence[str] | None = None, source_weights: Mapping[str, float] | None = None,
                        process_index: int = 0, process_count: int = 1, num_packing_bins: int | None = None,
-                       shuffle_bins: bool = True, num_workers: int = 0, read_threads: int = 0) -> grain.IterDataset:
+                       shuffle_bins: bool = True, num_workers: int = 0, read_threads: int = 0,
+                       task_share: float = 0.0, tasks: Sequence[str] | str = "") -> grain.IterDataset:
   """Infinite packed LM batches of this process's share of the train split; see the module docstring.
 
   Args:
@@ -223,6 +225,9 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
     num_workers: > 0 runs the pipeline in that many worker processes (`mp_prefetch`); the stream is still
       deterministic but depends on num_workers, so resume with the same value.
     read_threads: grain read threads before packing; 0 reads inline (the token files are memory-mapped).
+    task_share: > 0 replaces that share of the rows (drawn per row) by synthetic long-context task rows
+      (`m3_jax.data.long_tasks`: haystack from the train split, loss on the answer only), each a full row.
+    tasks: the task names for those rows ("" or "all": every task).
 
   Returns:
     A `grain.IterDataset`; `it = iter(ds)` yields batch dicts of [global_batch_size // process_count, seq_len]
@@ -240,6 +245,10 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
   if bins < 1:
     raise ValueError(f"num_packing_bins={num_packing_bins!r}: expected >= 1")
   out = pack_pieces(it_ds, seq_len, bins, seed32(seed, process_index, 1), shuffle_bins)
+  if task_share:
+    out = long_tasks.mix_task_rows(out, data_dir, share=float(task_share), tasks=long_tasks.parse_tasks(tasks),
+                                   seq_len=seq_len, seed=seed32(seed, process_index, 2),
+                                   process_index=process_index, process_count=process_count)
   out = out.batch(local, drop_remainder=True)
   return mp_prefetch(out, num_workers) if num_workers else out
 

@@ -23,6 +23,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Bring your own text: "NAME=GLOB[,GLOB...][;NAME2=GLOB...]", e.g. "notes=/data/notes/*.txt".
   c.data.text_files = ""
   c.data.vocab_size = 8192
+  # Synthetic long-context task rows (m3_jax.data.long_tasks: passkey, needles, kv, variable tracking) as a share
+  # of the training rows, loss on the answer only; names "" = every task. Text configs only.
+  c.data.tasks = ml_collections.ConfigDict(dict(share=0.0, names=""))
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000

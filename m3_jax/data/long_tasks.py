@@ -1,0 +1,387 @@
+"""Synthetic long-context tasks (RULER-style) with real text as the haystack: for held-out evaluation at chosen
+lengths and needle depths, and as training rows mixed into the text pipeline (loss on the answer only).
+
+    hay = Haystack.from_corpus(data_dir, tokenizer=tok, split="heldout")
+    ex = make_example("multi_key", haystack=hay, tokenizer=tok, length=4096, depth=0.5, seed=3)
+    ex.prompt       # int32 [4096]: intro + haystack with the needles + question
+    ex.answer       # int32 [A]: what a correct model continues with (then <|endoftext|> or a newline)
+
+Tasks (`TASKS`); each needle is one sentence inserted between two haystack sentences:
+
+    passkey       one pass key (a 5-digit number) in the text; "What is the pass key?"
+    single_key    one key -> 7-digit number needle
+    multi_key     the same, among `DISTRACTORS` needles of other keys with other numbers
+    multi_value   one key with `VALUES` numbers in separate needles; answer: all of them in the order they appear
+    kv            random 8-hex-digit identifiers as keys and values, the asked pair among distractor pairs
+    vt            variable tracking: a chain "VAR A = 12345", "VAR B = A", ... (`HOPS` hops, each later in the
+                  text) and a distractor chain; answer: the chain's variables in order
+
+Facts every example keeps (the tests check them):
+- `length` is exact: the prompt has exactly `length` tokens (training rows: prompt + answer + <|endoftext|> are
+  exactly `length`).
+- Each of `answer_anchors` (the values, or "VAR X =" for variable tracking) occurs exactly once in the decoded
+  prompt; a draw whose value happens to occur in the haystack is redrawn, so a copy elsewhere cannot answer.
+- Depth granularity: the answer needle (the first one for multi_value / vt) goes to the sentence boundary nearest
+  to `depth * H` haystack tokens (H: the haystack tokens of the prompt); haystack sentences are cut to at most
+  `max_sentence_tokens` (default 64) tokens, so `|haystack_before - depth * H| <= max_sentence_tokens / 2`.
+- The same (task, length, depth, seed, haystack, tokenizer) gives the same example.
+
+The haystack is real text from a prepared corpus: documents decoded with the corpus tokenizer, split into
+sentences and encoded by the tokenizer of the model under test (so an HF checkpoint with its own vocabulary reads
+the same text). A tokenizer here is anything with `encode_batch(texts, allow_special=False) -> list[list[int]]`,
+`decode(ids) -> str` and `eot_id`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from m3_jax.core.batch import EOT
+from m3_jax.data.common import seed32
+from m3_jax.data.text_prepare import load_manifest, load_tokenizer
+
+__all__ = ["TASKS", "Example", "Haystack", "TaskRows", "make_example", "min_length", "mix_task_rows",
+           "parse_tasks"]
+
+TASKS: tuple[str, ...] = ("passkey", "single_key", "multi_key", "multi_value", "kv", "vt")
+DISTRACTORS = 3  # multi_key and kv: needles of other keys
+VALUES = 4  # multi_value: numbers of the asked key
+HOPS = 3  # vt: assignments after the first one of each chain (HOPS + 1 variables)
+# The fewest haystack tokens a prompt may have; below this a "long-context" task is no longer one.
+MIN_HAYSTACK = 32
+
+_ADJ = ("amber", "bold", "brisk", "calm", "clever", "copper", "crimson", "dusty", "eager", "faint", "gentle",
+        "golden", "hollow", "hidden", "ivory", "jolly", "lucky", "misty", "narrow", "noble", "olive", "pale",
+        "proud", "quiet", "rapid", "rusty", "silent", "silver", "sleepy", "steady", "swift", "tender", "velvet",
+        "wild", "windy", "young")
+_NOUN = ("anchor", "badger", "beacon", "bridge", "canyon", "cedar", "comet", "falcon", "fern", "garden",
+         "harbor", "island", "kettle", "lantern", "maple", "meadow", "mirror", "orchard", "otter", "pebble",
+         "pillar", "raven", "river", "saddle", "signal", "spindle", "thistle", "tower", "valley", "willow")
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+_INTRO = {
+    "passkey": "A pass key is hidden in the text below. Find it and remember it.\n",
+    "single_key": "Special numbers are hidden in the text below, each tied to a key. Remember them.\n",
+    "multi_key": "Special numbers are hidden in the text below, each tied to a key. Remember them.\n",
+    "multi_value": "Special numbers are hidden in the text below, each tied to a key. Remember them.\n",
+    "kv": "Key and value identifiers are hidden in the text below. Remember them.\n",
+    "vt": "Variable assignments are hidden in the text below. Follow them.\n",
+}
+# Sentence ends: after . ! ? (and closing quotes/brackets) before whitespace, or after a newline. The whitespace
+# goes to the next sentence, so concatenating the sentences gives the text back.
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)|\n")
+
+
+def parse_tasks(spec: str | Sequence[str]) -> list[str]:
+  """"passkey,kv" (or a list) -> task names; "" or "all" -> every task. An unknown name is a ValueError."""
+  names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+  names = [n for n in names if n]
+  if not names or names == ["all"]:
+    return list(TASKS)
+  unknown = [n for n in names if n not in TASKS]
+  if unknown:
+    raise ValueError(f"unknown task(s) {unknown}; the tasks are {list(TASKS)}")
+  return names
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Haystack
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _encode(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+  return tokenizer.encode_batch(list(texts), allow_special=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Haystack:
+  """Real text cut into sentences, encoded: `tokens` int32 [N], sentence i is tokens[starts[i]:starts[i+1]]
+  (int64 [S + 1], starts[-1] == N); no sentence is longer than `max_sentence_tokens`."""
+  tokens: np.ndarray
+  starts: np.ndarray
+  max_sentence_tokens: int
+
+  @property
+  def num_sentences(self) -> int:
+    return int(self.starts.size - 1)
+
+  @classmethod
+  def from_texts(cls, texts: Sequence[str], tokenizer: Any, *, max_sentence_tokens: int = 64) -> "Haystack":
+    """Documents (str) in order; a blank line separates consecutive documents."""
+    if max_sentence_tokens < 1:
+      raise ValueError(f"max_sentence_tokens={max_sentence_tokens}: expected >= 1")
+    pieces: list[str] = []
+    for d, text in enumerate(texts):
+      ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+      bounds = [0] + [e for e in ends if 0 < e < len(text)] + [len(text)]
+      sents = [text[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+      if d and sents:
+        sents[0] = "\n\n" + sents[0]
+      pieces += sents
+    lengths, chunks = [], []
+    for ids in _encode(tokenizer, pieces):
+      for i in range(0, len(ids), max_sentence_tokens):  # overlong sentences are cut into pieces
+        chunks.append(ids[i:i + max_sentence_tokens])
+        lengths.append(len(chunks[-1]))
+    if not chunks:
+      raise ValueError("haystack: the texts are empty")
+    starts = np.zeros((len(lengths) + 1,), np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    tokens = np.fromiter((t for c in chunks for t in c), np.int32, count=int(starts[-1]))
+    return cls(tokens=tokens, starts=starts, max_sentence_tokens=int(max_sentence_tokens))
+
+  @classmethod
+  def from_corpus(cls, data_dir: str, *, tokenizer: Any = None, split: str = "heldout",
+                  sources: Sequence[str] | None = None, max_chars: int | None = None,
+                  max_sentence_tokens: int = 64) -> "Haystack":
+    """The documents of `split` of a prepared corpus (all sources, or `sources`, in manifest order), up to
+    `max_chars` characters, encoded by `tokenizer` (default: the corpus tokenizer)."""
+    manifest = load_manifest(data_dir)
+    corpus_tok = load_tokenizer(data_dir)
+    names = list(sources) if sources else manifest.source_names
+    unknown = [s for s in names if s not in manifest.sources]
+    if unknown:
+      raise ValueError(f"haystack sources {unknown} are not in {data_dir} (it has {manifest.source_names})")
+    texts, chars = [], 0
+    for s in names:
+      for doc in manifest.documents(s, split):
+        texts.append(corpus_tok.decode(doc[doc != EOT]))
+        chars += len(texts[-1])
+        if max_chars is not None and chars >= max_chars:
+          break
+      if max_chars is not None and chars >= max_chars:
+        break
+    if not texts:
+      raise ValueError(f"no {split} documents in {data_dir} to build a haystack from")
+    return cls.from_texts(texts, tokenizer or corpus_tok, max_sentence_tokens=max_sentence_tokens)
+
+  def window(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`n` consecutive haystack tokens from a random sentence on (wrapping around), and the sentence boundaries
+    inside them: (int32 [n], int64 [K] offsets in [0, n], 0 and n included)."""
+    s = int(rng.integers(self.num_sentences))
+    out, bounds, filled = [], [0], 0
+    while filled < n:
+      a, b = int(self.starts[s]), int(self.starts[s + 1])
+      take = min(b - a, n - filled)
+      out.append(self.tokens[a:a + take])
+      filled += take
+      bounds.append(filled)
+      s = (s + 1) % self.num_sentences
+    return (np.concatenate(out) if out else np.zeros((0,), np.int32)), np.unique(np.asarray(bounds, np.int64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One task instance. `prompt` int32 [length] (intro, haystack with needles, question); `answer` int32 [A]."""
+  task: str
+  seed: int
+  length: int
+  depth: float  # requested depth of the answer needle in the haystack, in [0, 1]
+  prompt: np.ndarray
+  answer: np.ndarray
+  answer_text: str  # the answer as text, without its leading space
+  answer_anchors: tuple[str, ...]  # strings the prompt holds exactly once (see the module docstring)
+  needle_pos: int  # prompt index of the answer needle's first token
+  haystack_before: int  # haystack tokens before the answer needle
+  haystack_tokens: int  # H: haystack tokens in the prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draw:
+  """A task's random content: needles in placement order (the answer needle first), the question and answer."""
+  needles: list[str]
+  after_first: list[bool]  # needle i must come after needle 0 (chains)
+  question: str
+  answer_items: list[str]  # in the order the needles of `answer_needles` appear in the text
+  answer_needles: list[int]  # needles holding an answer item; their text order gives the answer order
+  anchors: list[str]
+  sep: str  # between answer items
+
+
+def _number(rng: np.random.Generator, digits: int) -> str:
+  return str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+
+
+def _key(rng: np.random.Generator) -> str:
+  return f"{_ADJ[rng.integers(len(_ADJ))]}-{_NOUN[rng.integers(len(_NOUN))]}"
+
+
+def _hex(rng: np.random.Generator) -> str:
+  return "".join("0123456789abcdef"[i] for i in rng.integers(16, size=8))
+
+
+def _distinct(rng: np.random.Generator, fn, n: int) -> list[str]:
+  out: list[str] = []
+  while len(out) < n:
+    v = fn(rng)
+    if v not in out:
+      out.append(v)
+  return out
+
+
+def _draw(task: str, rng: np.random.Generator) -> _Draw:
+  if task == "passkey":
+    v = _number(rng, 5)
+    return _Draw([f" The pass key is {v}. Remember it."], [False], "\nWhat is the pass key? The pass key is",
+                 [v], [0], [v], ", ")
+  if task in ("single_key", "multi_key"):
+    n = 1 if task == "single_key" else 1 + DISTRACTORS
+    keys, vals = _distinct(rng, _key, n), _distinct(rng, lambda r: _number(r, 7), n)
+    needles = [f" The special number for {k} is {v}." for k, v in zip(keys, vals)]
+    return _Draw(needles, [False] * n, f"\nWhat is the special number for {keys[0]}? The special number for "
+                 f"{keys[0]} is", [vals[0]], [0], vals, ", ")
+  if task == "multi_value":
+    k, vals = _key(rng), _distinct(rng, lambda r: _number(r, 7), VALUES)
+    needles = [f" One of the special numbers for {k} is {v}." for v in vals]
+    return _Draw(needles, [False] * VALUES, f"\nWhat are all the special numbers for {k}? The special numbers "
+                 f"for {k} are", vals, list(range(VALUES)), vals, ", ")
+  if task == "kv":
+    n = 1 + DISTRACTORS
+    ids = _distinct(rng, _hex, 2 * n)
+    keys, vals = ids[:n], ids[n:]
+    needles = [f" The value of key {k} is {v}." for k, v in zip(keys, vals)]
+    return _Draw(needles, [False] * n, f"\nWhat is the value of key {keys[0]}? The value of key {keys[0]} is",
+                 [vals[0]], [0], vals, ", ")
+  if task == "vt":
+    names = _distinct(rng, lambda r: "".join(_LETTERS[i] for i in r.integers(26, size=5)), 2 * (HOPS + 1))
+    v, w = _distinct(rng, lambda r: _number(r, 5), 2)
+    chain, other = names[:HOPS + 1], names[HOPS + 1:]
+    needles = [f" VAR {chain[0]} = {v}."] + [f" VAR {b} = {a}." for a, b in zip(chain[:-1], chain[1:])]
+    needles += [f" VAR {other[0]} = {w}."] + [f" VAR {b} = {a}." for a, b in zip(other[:-1], other[1:])]
+    after = [False] + [True] * HOPS + [False] * (HOPS + 1)
+    return _Draw(needles, after, f"\nWhich variables are assigned the value {v}? The variables assigned the "
+                 f"value {v} are", chain, list(range(HOPS + 1)), [f"VAR {x} =" for x in names], ", ")
+  raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
+
+
+def min_length(task: str, tokenizer: Any) -> int:
+  """The shortest prompt `make_example` accepts for `task`: intro, question and needles as this tokenizer encodes
+  a sample draw, a slack of 25% for other draws, plus MIN_HAYSTACK haystack tokens."""
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
+  d = _draw(task, np.random.default_rng(0))
+  fixed = sum(len(x) for x in _encode(tokenizer, [_INTRO[task], d.question, *d.needles]))
+  return int(fixed * 1.25) + MIN_HAYSTACK
+
+
+def _insert(hay: np.ndarray, bounds: np.ndarray, needles: list[np.ndarray], at: list[int]) -> tuple[np.ndarray,
+                                                                                                     list[int]]:
+  """Haystack tokens with needle i inserted at haystack offset at[i] (ties keep the needles' order); returns the
+  body and each needle's start in it."""
+  order = sorted(range(len(needles)), key=lambda i: (at[i], i))
+  parts, starts, prev, pos = [], [0] * len(needles), 0, 0
+  for i in order:
+    parts.append(hay[prev:at[i]])
+    pos += at[i] - prev
+    starts[i] = pos
+    parts.append(needles[i])
+    pos += len(needles[i])
+    prev = at[i]
+  parts.append(hay[prev:])
+  return np.concatenate(parts).astype(np.int32), starts
+
+
+def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, depth: float, seed: int,
+                 row: bool = False) -> Example:
+  """One example of `task` with exactly `length` prompt tokens (`row=True`: prompt + answer + <|endoftext|> are
+  `length` tokens, a training row of length - 1 input/target pairs) and its answer needle at `depth`."""
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
+  if not 0.0 <= depth <= 1.0:
+    raise ValueError(f"depth={depth}: expected a fraction in [0, 1]")
+  rng = np.random.default_rng([0x7A5C, TASKS.index(task), int(seed)])
+  for _ in range(64):  # a value that also occurs in the haystack window is redrawn with the next draw
+    d = _draw(task, rng)
+    intro, question, *needles = [np.asarray(x, np.int32) for x in
+                                 _encode(tokenizer, [_INTRO[task], d.question, *d.needles])]
+    answer_text = d.sep.join(d.answer_items)  # placeholder order; fixed below once the needles are placed
+    fixed = len(intro) + len(question) + sum(len(n) for n in needles)
+    extra = len(_encode(tokenizer, [" " + answer_text])[0]) + 1 if row else 0
+    h = length - fixed - extra
+    if h < MIN_HAYSTACK:
+      raise ValueError(f"length={length} is too short for task {task!r}: its intro, question and needles take "
+                       f"{fixed + extra} tokens and the haystack needs at least {MIN_HAYSTACK} "
+                       f"(min_length: {min_length(task, tokenizer)})")
+    hay, bounds = haystack.window(rng, h)
+    first = int(bounds[np.argmin(np.abs(bounds - depth * h))])  # nearest boundary; ties: the earlier one
+    at = [first]
+    others = bounds[bounds != first] if bounds.size > 1 else bounds
+    later = bounds[bounds >= first]
+    for after in d.after_first[1:]:
+      at.append(int(rng.choice(later if after else others)))
+    if any(d.after_first):  # a chain's hops in chain order: each assignment after the one it reads
+      hops = [i for i, a in enumerate(d.after_first) if a]
+      for i, v in zip(hops, sorted(at[i] for i in hops)):
+        at[i] = v
+    body, starts = _insert(hay, bounds, needles, at)
+    prompt = np.concatenate([intro, body, question]).astype(np.int32)
+    order = sorted(d.answer_needles, key=lambda i: (starts[i], i))
+    items = [d.answer_items[d.answer_needles.index(i)] for i in order]
+    answer_text = d.sep.join(items)
+    answer = np.asarray(_encode(tokenizer, [" " + answer_text])[0], np.int32)
+    text = tokenizer.decode(prompt)
+    if all(text.count(a) == 1 for a in d.anchors) and (not row or len(answer) + 1 == extra):
+      break
+  else:
+    raise RuntimeError(f"task {task!r} seed {seed}: 64 draws all collided with the haystack")
+  return Example(task=task, seed=int(seed), length=int(length), depth=float(depth), prompt=prompt, answer=answer,
+                 answer_text=answer_text, answer_anchors=tuple(d.anchors), needle_pos=len(intro) + starts[0],
+                 haystack_before=first, haystack_tokens=int(h))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training rows
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TaskRows(Sequence):
+  """Random-access source of task rows for grain (`grain.MapDataset.source`): row i is a task example drawn from
+  (seed, i), task and depth uniform, as a batch-contract row {inputs, targets, segment_ids, positions, loss_mask}
+  of [seq_len] each whose loss covers only the answer and the <|endoftext|> after it."""
+
+  def __init__(self, haystack: Haystack, tokenizer: Any, *, seq_len: int, seed: int,
+               tasks: Sequence[str] = TASKS, size: int = 2 ** 40):
+    self._hay, self._tok = haystack, tokenizer
+    self._seq_len, self._seed, self._tasks, self._size = int(seq_len), int(seed), list(tasks), int(size)
+    short = [t for t in self._tasks if min_length(t, tokenizer) > seq_len + 1 - 16]
+    if short:
+      raise ValueError(f"data.tasks: seq_len={seq_len} is too short for tasks {short} "
+                       f"(they need about {max(min_length(t, tokenizer) for t in short) + 16} tokens)")
+
+  def __len__(self) -> int:
+    return self._size
+
+  def __getitem__(self, i) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([self._seed, int(i)])
+    task = self._tasks[int(rng.integers(len(self._tasks)))]
+    ex = make_example(task, haystack=self._hay, tokenizer=self._tok, length=self._seq_len + 1,
+                      depth=float(rng.random()), seed=seed32(self._seed, int(i)), row=True)
+    full = np.concatenate([ex.prompt, ex.answer, [EOT]]).astype(np.int32)  # [seq_len + 1]
+    mask = np.zeros((self._seq_len,), np.float32)
+    mask[len(ex.prompt) - 1:] = 1.0  # targets from the answer's first token to the closing <|endoftext|>
+    return {"inputs": full[:-1], "targets": full[1:], "segment_ids": np.ones((self._seq_len,), np.int32),
+            "positions": np.arange(self._seq_len, dtype=np.int32), "loss_mask": mask}
+
+
+def mix_task_rows(text_rows: grain.IterDataset, data_dir: str, *, share: float, tasks: Sequence[str],
+                  seq_len: int, seed: int, process_index: int = 0, process_count: int = 1,
+                  max_haystack_chars: int = 4_000_000) -> grain.IterDataset:
+  """Packed text rows -> the same stream where a share `share` of the rows are task rows (haystack: the train
+  split of `data_dir`, its first `max_haystack_chars` characters); deterministic and resumable like the text."""
+  if not 0.0 < share < 1.0:
+    raise ValueError(f"data.tasks.share={share}: expected a fraction in (0, 1) (0 disables the task rows)")
+  tok = load_tokenizer(data_dir)
+  hay = Haystack.from_corpus(data_dir, tokenizer=tok, split="train", max_chars=max_haystack_chars)
+  rows = TaskRows(hay, tok, seq_len=seq_len, seed=seed32(seed, 0x7A5C), tasks=tasks)
+  task_ds = grain.MapDataset.source(rows)[process_index::process_count].to_iter_dataset()
+  return grain.IterDataset.mix([text_rows, task_ds], [1.0 - share, share])
