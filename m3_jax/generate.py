@@ -12,11 +12,13 @@ config.json), else --tokenizer (default: data/tokenizer.json, the one `make run`
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 from absl import app, flags, logging
+
+from m3_jax import inference
+from m3_jax.inference import load_model
 
 _CKPT = flags.DEFINE_string("checkpoint", None, "export directory or HF checkpoint directory")
 _PROMPT = flags.DEFINE_string("prompt", "", "the prompt text")
@@ -29,62 +31,9 @@ _DTYPE = flags.DEFINE_string("dtype", None, "HF checkpoints: parameter + compute
 flags.mark_flag_as_required("checkpoint")
 
 
-def load_model(path: str, dtype: str | None = None):
-  """(model, TextConfig) from an export or an HF directory."""
-  from flax import nnx  # noqa: PLC0415
-  from m3_jax.interop import hf  # noqa: PLC0415
-  from m3_jax.models.config import TextConfig  # noqa: PLC0415
-  from m3_jax.models.transformer import TextModel  # noqa: PLC0415
-  from m3_jax.train import checkpoint as ckpt_lib  # noqa: PLC0415
-  if ckpt_lib.is_export(path):
-    cfg = TextConfig.from_dict(ckpt_lib.load_export_config(path))
-    abstract = nnx.eval_shape(lambda: TextModel(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    both = ckpt_lib.restore_params(path, {"params": params, "rest": rest})
-    return nnx.merge(graphdef, both["params"], both["rest"]), cfg
-  if os.path.exists(os.path.join(path, "config.json")):
-    return hf.load(path, dtype, text_only=True)
-  raise FileNotFoundError(f"--checkpoint={path}: neither an export (model_config.json + params/) nor an HF "
-                          "directory (config.json + safetensors)")
-
-
-class HFTokenizer:
-  """An HF checkpoint's own tokenizer.json (any `tokenizers` model) with the interface `main` uses; the
-  end-of-sequence id comes from generation_config.json or config.json (the first one when they list several)."""
-
-  def __init__(self, path: str, checkpoint: str):
-    import tokenizers  # noqa: PLC0415
-    self._tok = tokenizers.Tokenizer.from_file(path)
-    self.eot_id = None
-    for name in ("generation_config.json", "config.json"):
-      file = os.path.join(checkpoint, name)
-      if self.eot_id is None and os.path.exists(file):
-        with open(file) as f:
-          try:
-            raw = json.load(f)
-          except ValueError as e:
-            raise ValueError(f"{file}: not valid JSON ({e})") from None
-        eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
-        self.eot_id = eos[0] if isinstance(eos, list) and eos else eos
-
-  def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text).ids  # with the tokenizer's own special tokens, as HF's tokenizer(text) adds them
-
-  def decode(self, ids, *, skip_special: bool = False) -> str:
-    return self._tok.decode(list(ids), skip_special_tokens=skip_special)
-
-
 def load_tokenizer(checkpoint: str, fallback: str):
-  from m3_jax.data.tokenizer import Tokenizer  # noqa: PLC0415
-  own = os.path.join(checkpoint, "tokenizer.json")
-  if os.path.exists(own):
-    try:
-      return Tokenizer.from_file(own)
-    except ValueError:  # not one of ours (its special tokens differ): the checkpoint's HF tokenizer
-      return HFTokenizer(own, checkpoint)
-  if os.path.exists(fallback):
-    return Tokenizer.from_file(fallback)
-  raise FileNotFoundError(f"no tokenizer: {checkpoint}/tokenizer.json and --tokenizer={fallback} do not exist")
+  """The checkpoint's tokenizer.json, else `fallback` (ours or any HF `tokenizers` file)."""
+  return inference.load_tokenizer([os.path.join(checkpoint, "tokenizer.json"), fallback], checkpoint)
 
 
 def check_args(max_new_tokens: int, temperature: float, top_p: float, checkpoint: str) -> None:

@@ -2,13 +2,23 @@
 requested depth, deterministic), task rows in the training pipeline, and `python -m m3_jax.eval_long` end to end
 on an exported MSA model and an HF fixture, whose cached decoding must give the full forward's greedy tokens."""
 
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import tokenizers
 
+from m3_jax import eval_long, inference
 from m3_jax.core.batch import EOT, TEXT_KEYS
 from m3_jax.data import long_tasks as lt
 from m3_jax.data import text_pipeline, text_prepare
-from tests.train_utils import license_texts
+from m3_jax.train import evaluation, trainer
+from tests.train_utils import REPO, license_texts, small_config
 
 LENGTH = 400
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -96,3 +106,132 @@ def test_training_rows_mix_task_rows_with_loss_on_the_answer(corpus):
     question = tok.decode(b["inputs"][i][:first + 1])
     assert question.rstrip().endswith((" is", " are")) and answer.startswith(" ")
     assert question.count(answer.strip().split(", ")[0]) >= 1  # the answer is in the context
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# python -m m3_jax.eval_long
+# ---------------------------------------------------------------------------------------------------------------
+
+HF_MSA = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "text_msa")
+
+
+@pytest.fixture(scope="module")
+def msa_export(corpus, tmp_path_factory):
+  """A tiny MSA model (layer 0 dense, layer 1 MSA: block 8, top-2 of 24 blocks at 192 tokens) trained for 2 steps
+  on licence text with passkey task rows in its batches, exported (bf16) as --mode=export writes it."""
+  d = corpus[0]
+  work = str(tmp_path_factory.mktemp("msa_run"))
+  cfg = small_config(d, **{"train.steps": 2, "train.seq_len": 192, "data.tasks.share": 0.5,
+                           "data.tasks.names": "passkey", "model.layer_types": ("full_attention", "minimax_m3_sparse"),
+                           "model.mlp_layer_types": ("dense", "dense"), "model.index_n_heads": 2,
+                           "model.index_head_dim": 8, "model.index_block_size": 8, "model.index_topk_blocks": 2,
+                           "eval.max_batches": 1})
+  trainer.train_and_evaluate(cfg, work)
+  return evaluation.export(cfg, work)
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer(tmp_path_factory):
+  """A character-level HF tokenizer (97 ids) for the HF fixture, whose vocabulary has 256 entries."""
+  chars = [chr(i) for i in range(32, 127)] + ["\n"]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}},
+                                                         unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), "isolated")
+  tok.decoder = tokenizers.decoders.Fuse()
+  path = str(tmp_path_factory.mktemp("char_tok") / "tokenizer.json")
+  tok.save(path)
+  return path
+
+
+def full_forward_greedy(model, prompts, lengths, n):
+  """The oracle: n greedy tokens per row, each the argmax of a fresh full forward over the row's prompt (its first
+  lengths[i] tokens of prompts [B, T]) and its tokens so far; one compiled shape, as right padding cannot reach
+  earlier positions of a causal model."""
+  b, t = prompts.shape
+  buf = np.zeros((b, t + n), np.int32)
+  buf[:, :t] = prompts
+  rows, lengths = np.arange(b), np.asarray(lengths)
+  fwd = jax.jit(lambda ids: model(ids)[0])
+  for i in range(n):
+    logits = np.asarray(fwd(jnp.asarray(buf)))  # [B, T + n, V]
+    buf[rows, lengths + i] = logits[rows, lengths + i - 1].argmax(-1)
+  return buf[rows[:, None], lengths[:, None] + np.arange(n)]  # [B, n]
+
+
+def check_outputs(out, tasks, lengths, depths):
+  with open(os.path.join(out, "results.json")) as f:
+    res = json.load(f)
+  assert sorted(res["tasks"]) == sorted(tasks)
+  for task in tasks:
+    r = res["tasks"][task]
+    assert [(c["length"], c["depth"]) for c in r["cells"]] == [(n, d) for n in lengths for d in depths]
+    assert all(0.0 <= c["accuracy"] <= 1.0 and c["n"] == 1 for c in r["cells"])
+    assert r["accuracy"] == np.mean([e["exact"] for e in r["examples"]])
+    with open(os.path.join(out, f"heatmap_{task}.png"), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  with open(os.path.join(out, "loss_by_position.json")) as f:
+    loss = json.load(f)
+  assert loss["documents"] >= 1 and len(loss["curve"]) == loss["length"]
+  assert all(np.isfinite(b["loss"]) and b["loss"] > 0 for b in loss["bins"])
+  assert os.path.getsize(os.path.join(out, "loss_by_position.png")) > 0
+  return res
+
+
+def check_decoding_against_full_forward(res, checkpoint, tokenizer, data_dir, **args):
+  """Acceptance 2 of issue 19: the command's answers (chunked prefill, then decoding with the KV and index caches)
+  are the greedy tokens of a full forward recomputed at every step, for every example it ran."""
+  tok = eval_long.load_tokenizer(checkpoint, tokenizer, data_dir)
+  hay = lt.Haystack.from_corpus(data_dir, tokenizer=tok)
+  exs = [e for v in eval_long.make_examples(**args, haystack=hay, tokenizer=tok).values() for e in v]
+  got = {(r["length"], r["depth"], r["seed"]): r["generated_ids"] for t in res["tasks"].values() for r in t["examples"]}
+  n = max(len(g) for g in got.values())
+  longest = max(e.length for e in exs)
+  prompts = np.zeros((len(exs), longest), np.int32)  # right padding: later positions cannot reach earlier ones
+  for i, e in enumerate(exs):
+    prompts[i, :e.length] = e.prompt
+  model, _ = inference.load_model(checkpoint)
+  ref = full_forward_greedy(model, prompts, [e.length for e in exs], n)
+  for i, e in enumerate(exs):
+    g = got[e.length, e.depth, e.seed]
+    np.testing.assert_array_equal(g, ref[i, :len(g)], err_msg=f"{e.task} length {e.length} depth {e.depth}")
+
+
+def test_eval_long_on_an_msa_export_answers_as_the_full_forward(corpus, msa_export, tmp_path, capsys):
+  out = str(tmp_path / "eval")
+  res = eval_long.evaluate(checkpoint=msa_export, tasks="passkey,single_key", lengths="192,256",
+                           depths="0,0.5,1", samples=1, out=out, data_dir=corpus[0], batch_size=4,
+                           prefill_chunk=64, loss_length=256, loss_bins=4)
+  check_outputs(out, ["passkey", "single_key"], [192, 256], [0.0, 0.5, 1.0])
+  assert res["layer_types"] == ["full_attention", "minimax_m3_sparse"]
+  lines = [x for x in capsys.readouterr().out.splitlines() if " accuracy " in x]
+  assert len(lines) == 4 and all(x.rstrip().endswith(" s") for x in lines)  # one per (length, task), timed
+  check_decoding_against_full_forward(res, msa_export, "", corpus[0], tasks=["passkey", "single_key"],
+                                      lengths=[192, 256], depths=[0.0, 0.5, 1.0], samples=1, seed=0)
+
+
+def test_eval_long_on_the_hf_fixture_answers_as_the_full_forward(corpus, char_tokenizer, tmp_path):
+  out = str(tmp_path / "eval")
+  res = eval_long.evaluate(checkpoint=HF_MSA, tokenizer=char_tokenizer, tasks="passkey", lengths="300",
+                           depths="0,1", samples=1, out=out, data_dir=corpus[0], batch_size=2, prefill_chunk=100,
+                           loss_length=300, loss_bins=3)
+  check_outputs(out, ["passkey"], [300], [0.0, 1.0])
+  check_decoding_against_full_forward(res, HF_MSA, char_tokenizer, corpus[0], tasks=["passkey"], lengths=[300],
+                                      depths=[0.0, 1.0], samples=1, seed=0)
+
+
+def test_bad_arguments_are_errors_before_loading_anything(corpus, msa_export, tmp_path):
+  out = str(tmp_path / "never")
+  kw = dict(checkpoint=msa_export, tasks="passkey", lengths="256", depths="0.5", samples=1, out=out,
+            data_dir=corpus[0])
+  for change, match in (({"tasks": "passkey,needle"}, "--tasks.*unknown task"),
+                        ({"lengths": "100,256"}, r"--lengths=100,256: 100 is below the minimum"),
+                        ({"depths": "0.5,2"}, "--depths"),
+                        ({"samples": 0}, "--samples"),
+                        ({"checkpoint": str(tmp_path / "missing")}, "--checkpoint"),
+                        ({"data_dir": str(tmp_path)}, "--data_dir")):
+    with pytest.raises(ValueError, match=match):
+      eval_long.evaluate(**{**kw, **change})
+  assert not os.path.exists(out)
+  proc = subprocess.run([sys.executable, "-m", "m3_jax.eval_long", f"--checkpoint={msa_export}", "--tasks=nope",
+                         f"--out={out}", f"--data_dir={corpus[0]}"], cwd=REPO, capture_output=True, text=True)
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --tasks='nope'")

@@ -247,7 +247,7 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
   out = pack_pieces(it_ds, seq_len, bins, seed32(seed, process_index, 1), shuffle_bins)
   if task_share:
     out = long_tasks.mix_task_rows(out, data_dir, share=float(task_share), tasks=long_tasks.parse_tasks(tasks),
-                                   seq_len=seq_len, seed=seed32(seed, process_index, 2),
+                                   seq_len=seq_len, seed=seed32(seed, 2),
                                    process_index=process_index, process_count=process_count)
   out = out.batch(local, drop_remainder=True)
   return mp_prefetch(out, num_workers) if num_workers else out

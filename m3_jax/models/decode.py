@@ -35,6 +35,20 @@ def make_step(model: TextModel) -> Callable:
   return lambda ids, caches: step(state, ids, caches)
 
 
+def prefill(step: Callable, ids: jax.Array, caches: list[Any], *, chunk: int | None = None
+            ) -> tuple[jax.Array, list[Any]]:
+  """Feeds ids [B, T] through `step` in pieces of `chunk` tokens (None: one call), so a long prompt needs the
+  activations of one chunk at a time and one compiled step per chunk length. Returns (logits of the last piece
+  [B, t, V], caches)."""
+  t = ids.shape[1]
+  chunk = t if chunk is None else int(chunk)
+  if chunk < 1 or t < 1:
+    raise ValueError(f"prefill: chunk={chunk} and prompt length {t} must be >= 1")
+  for lo in range(0, t, chunk):
+    logits, caches = step(ids[:, lo:lo + chunk], caches)
+  return logits, caches
+
+
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float) -> jax.Array:
   """logits: [B, V] -> token ids [B]. temperature 0 is greedy; top_p keeps the smallest nucleus above p."""
   if temperature <= 0:
@@ -52,16 +66,18 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: floa
 
 def generate(model: TextModel, prompt: jax.Array, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, max_len: int | None = None,
-             on_token: Callable[[jax.Array], None] | None = None) -> jax.Array:
+             on_token: Callable[[jax.Array], None] | None = None, prefill_chunk: int | None = None,
+             step: Callable | None = None) -> jax.Array:
   """prompt: [B, T0] int32 -> generated ids [B, max_new_tokens] (stops early once every row produced eos_id).
-  `on_token` is called with each new [B] token array (streaming)."""
+  `on_token` is called with each new [B] token array (streaming). `prefill_chunk` splits the prompt's prefill
+  (see `prefill`); `step` reuses a `make_step(model)` across calls (each new one compiles again)."""
   b, t0 = prompt.shape
   max_len = max_len or t0 + max_new_tokens
   if t0 + max_new_tokens > max_len:
     raise ValueError(f"prompt length {t0} + max_new_tokens {max_new_tokens} exceeds max_len {max_len}")
-  step = make_step(model)
+  step = step or make_step(model)
   caches = init_caches(model, b, max_len)
-  logits, caches = step(prompt, caches)
+  logits, caches = prefill(step, prompt, caches, chunk=prefill_chunk)
   key = jax.random.key(seed)
   out, done = [], jnp.zeros((b,), bool)
   last = logits[:, -1]
