@@ -383,5 +383,7 @@ def mix_task_rows(text_rows: grain.IterDataset, data_dir: str, *, share: float, 
   tok = load_tokenizer(data_dir)
   hay = Haystack.from_corpus(data_dir, tokenizer=tok, split="train", max_chars=max_haystack_chars)
   rows = TaskRows(hay, tok, seq_len=seq_len, seed=seed32(seed, 0x7A5C), tasks=tasks)
-  task_ds = grain.MapDataset.source(rows)[process_index::process_count].to_iter_dataset()
+  # Read inline: grain's default read-ahead would generate a thousand rows before the first batch.
+  task_ds = grain.MapDataset.source(rows)[process_index::process_count].to_iter_dataset(
+      grain.ReadOptions(num_threads=0, prefetch_buffer_size=16))
   return grain.IterDataset.mix([text_rows, task_ds], [1.0 - share, share])
