@@ -139,23 +139,25 @@ class Haystack:
   def from_corpus(cls, data_dir: str, *, tokenizer: Any = None, split: str = "heldout",
                   sources: Sequence[str] | None = None, max_chars: int | None = None,
                   max_sentence_tokens: int = 64) -> "Haystack":
-    """The documents of `split` of a prepared corpus (all sources, or `sources`, in manifest order), up to
-    `max_chars` characters, encoded by `tokenizer` (default: the corpus tokenizer)."""
+    """The documents of `split` of a prepared corpus (all sources, or `sources`, one document of each in turn) up
+    to about `max_chars` characters, encoded by `tokenizer` (default: the corpus tokenizer)."""
     manifest = load_manifest(data_dir)
     corpus_tok = load_tokenizer(data_dir)
     names = list(sources) if sources else manifest.source_names
     unknown = [s for s in names if s not in manifest.sources]
     if unknown:
       raise ValueError(f"haystack sources {unknown} are not in {data_dir} (it has {manifest.source_names})")
+    # Round-robin over the sources, so that a `max_chars` cut keeps every source in the haystack.
+    streams = [manifest.documents(s, split) for s in names]
     texts, chars = [], 0
-    for s in names:
-      for doc in manifest.documents(s, split):
+    while streams and (max_chars is None or chars < max_chars):
+      for it in list(streams):
+        doc = next(it, None)
+        if doc is None:
+          streams.remove(it)
+          continue
         texts.append(corpus_tok.decode(doc[doc != EOT]))
         chars += len(texts[-1])
-        if max_chars is not None and chars >= max_chars:
-          break
-      if max_chars is not None and chars >= max_chars:
-        break
     if not texts:
       raise ValueError(f"no {split} documents in {data_dir} to build a haystack from")
     return cls.from_texts(texts, tokenizer or corpus_tok, max_sentence_tokens=max_sentence_tokens)
