@@ -187,7 +187,7 @@ def test_loss_is_on_text_tokens_only(vl_data):
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=tx.init(params),
                      rng=jax.random.key(0))
   eval_step = make_eval_step(graphdef)
-  train_step = make_train_step(graphdef, tx, schedule, moe_aux_coef=0.0, kl_weight=0.0)
+  train_step = make_train_step(graphdef, tx, schedule, moe_aux_coef=0.0, kl_weight=0.0, router_bias_rate=0.0)
 
   @jax.jit  # one program (2 cores: every compile counts)
   def run(state, batch):

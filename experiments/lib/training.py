@@ -136,7 +136,8 @@ def restored_train_step(config: Config, workdir: str) -> dict:
   batch = to_global(next(inputs.train_iterator(config, config_lib.vision_config(cfg))), mesh)
   text_cfg = config_lib.text_config(cfg)
   step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(text_cfg.router_aux_loss_coef),
-                                 kl_weight=text_cfg.kl_weight),
+                                 kl_weight=text_cfg.kl_weight,
+                                 router_bias_rate=float(text_cfg.router_bias_update_rate)),
                  in_shardings=(state_sh, sharding.batch_sharding(mesh)), out_shardings=(state_sh, None),
                  donate_argnums=(0,))
   return {"mesh": mesh, "graphdef": graphdef, "step": step, "state": state, "batch": batch}

@@ -79,7 +79,12 @@ class TextConfig:
   # moe_impl="capacity": each expert takes at most capacity_factor * N * k / E tokens per batch (GShard-style
   # buffers that shard over `expert`); assignments past that are dropped. ragged and dense never drop.
   capacity_factor: float = 1.25
+  # Load balancing, either way or both: `router_aux_loss_coef` x the balance loss in the train loss (HF's field, the
+  # one place its coefficient lives), and aux-loss-free balancing (ours; how M3 and DeepSeek-V3 train): after each
+  # optimizer step every MoE layer's e_score_correction_bias moves by router_bias_update_rate x sign(mean load -
+  # expert load), computed from that step's routing. 0 leaves the bias as loaded (HF parity).
   router_aux_loss_coef: float = 0.001
+  router_bias_update_rate: float = 0.0
   dtype: str = "float32"  # activation / compute dtype; parameters are kept in `param_dtype`
   param_dtype: str = "float32"
   remat: bool = False
@@ -125,6 +130,10 @@ class TextConfig:
       bad(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
+    if self.router_bias_update_rate < 0:
+      bad(f"router_bias_update_rate={self.router_bias_update_rate} must be >= 0 (0: no aux-loss-free balancing)")
+    if self.router_aux_loss_coef < 0:
+      bad(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (0: no balance loss)")
     if self.capacity_factor <= 0:
       bad(f"capacity_factor={self.capacity_factor} must be positive")
     if self.tie_word_embeddings:

@@ -21,7 +21,8 @@ from m3_jax.core.sharding import constrain
 
 
 class RouterBias(nnx.Variable):
-  """`e_score_correction_bias`: shifts which experts are chosen, never the combine weights; not trained by SGD."""
+  """`e_score_correction_bias`: shifts which experts are chosen, never the combine weights; not trained by SGD
+  (the train step moves it by `balance_bias_step` when `router_bias_update_rate` > 0)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,19 @@ def load_balance_loss(scores: jax.Array, idx: jax.Array, num_experts: int, mask:
   return num_experts * jnp.sum(f * p), f
 
 
+def balance_bias_step(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free load balancing (DeepSeek-V3 sec. 2.1.2, MiniMax-M3): one sign step of the router bias toward
+  equal load. An expert over the mean load is made less likely to be chosen, one under it more, each by `rate`
+  whatever the size of its error (one odd batch moves the bias by no more than that); the combine weights never
+  see the bias, so balancing does not bend what the model computes from the experts it chose.
+
+  bias: [E] f32 (`e_score_correction_bias`); load: [E] share of routed slots per expert. Returns the new bias [E].
+  """
+  if bias.shape != load.shape or bias.ndim != 1:
+    raise ValueError(f"balance_bias_step: bias {bias.shape} and load {load.shape} must both be [num_experts]")
+  return bias + rate * jnp.sign(jnp.mean(load) - load).astype(bias.dtype)
+
+
 class MoE(nnx.Module):
 
   def __init__(self, dims: MoEDims, *, impl: str, rngs: nnx.Rngs, std: float = 0.02, param_dtype=jnp.float32,
@@ -81,6 +95,10 @@ class MoE(nnx.Module):
     self.down = param(rngs, (e, i, dm), ("exp", "mlp", "embed"), std=std, dtype=param_dtype)
     self.shared = DenseMLP(dm, dims.shared_intermediate, alpha=dims.alpha, limit=dims.limit, rngs=rngs, std=std,
                            param_dtype=param_dtype, dtype=dtype)
+
+  def update_bias(self, load: jax.Array, rate: float) -> None:
+    """One aux-loss-free balancing step of `e_score_correction_bias` from this layer's load [E] (in place)."""
+    self.e_score_correction_bias[...] = balance_bias_step(self.e_score_correction_bias[...], load, rate)
 
   def _experts_ragged(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """x: [N, d]; w, idx: [N, k] -> [N, d]."""

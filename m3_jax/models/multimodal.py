@@ -139,6 +139,14 @@ class VLModel(nnx.Module):
                                            param_dtype=jnp.dtype(v.param_dtype), dtype=jnp.dtype(v.dtype))
     self.language_model = TextModel(cfg.text, rngs=rngs)
 
+  def moe_layers(self):
+    """The text tower's [(layer index, MoE)] (TextModel.moe_layers)."""
+    return self.language_model.moe_layers()
+
+  def update_router_biases(self, expert_load: jax.Array, rate: float) -> None:
+    """The text tower's aux-loss-free balancing step (TextModel.update_router_biases)."""
+    self.language_model.update_router_biases(expert_load, rate)
+
   def encode(self, pixels: jax.Array, *, max_frames: int | None = None) -> jax.Array:
     """pixels [B, N, F, H, W, C] -> visual tokens [B, N, n_tokens, d_text] (text compute dtype)."""
     b, n = pixels.shape[:2]

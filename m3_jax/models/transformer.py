@@ -71,6 +71,19 @@ class TextModel(nnx.Module):
     self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std=cfg.initializer_range,
                          dtype=pd)
 
+  def moe_layers(self) -> list[tuple[int, MoE]]:
+    """[(layer index, its MoE)] in the order of the rows of aux["expert_load"]."""
+    return [(i, layer.mlp) for i, layer in enumerate(self.layers) if layer.mlp_type != MLP_DENSE]
+
+  def update_router_biases(self, expert_load: jax.Array, rate: float) -> None:
+    """Aux-loss-free balancing of every MoE layer (in place) from a forward's aux["expert_load"] [L_moe, E]."""
+    moes = self.moe_layers()
+    if expert_load.shape[0] != len(moes):
+      raise ValueError(f"update_router_biases: expert_load has {expert_load.shape[0]} rows, the model "
+                       f"{len(moes)} MoE layers")
+    for (_, moe), load in zip(moes, expert_load):
+      moe.update_bias(load, rate)
+
   def embed(self, input_ids: jax.Array) -> jax.Array:
     x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(_dtype(self.cfg.dtype))
     return constrain(x, ("activation_batch", "activation_length", "activation_embed"))

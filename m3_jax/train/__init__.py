@@ -11,7 +11,8 @@ The public API (what experiments and drivers use; import the modules, nothing is
   state.abstract_state(cfg, tx, mesh)                                  (graphdef, sharded ShapeDtypeStructs, shardings)
   state.init_state(cfg, tx, mesh, seed)                                (graphdef, TrainState born sharded, shardings)
   steps.forward(graphdef, params, rest, batch)                         (logits, aux)
-  steps.make_train_step(graphdef, tx, schedule, moe_aux_coef=, kl_weight=) / steps.make_eval_step(graphdef)
+  steps.make_train_step(graphdef, tx, schedule, moe_aux_coef=, kl_weight=, router_bias_rate=)
+  steps.make_eval_step(graphdef)
   steps.to_global(host_batch, mesh)                                    host numpy batch -> global jax.Arrays
   checks.check_host_batch(batch, cfg, what)                            the eager checks of every batch
   checkpoint.make_checkpointer(config, workdir)                        WORKDIR/checkpoints

@@ -53,7 +53,7 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
            for k in TEXT_KEYS}
   step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(cfg.router_aux_loss_coef),
-                                 kl_weight=cfg.kl_weight),
+                                 kl_weight=cfg.kl_weight, router_bias_rate=float(cfg.router_bias_update_rate)),
                  in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=(0,))
   t0 = time.time()
   with jax.set_mesh(mesh):

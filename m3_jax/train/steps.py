@@ -41,9 +41,11 @@ def forward(graphdef, params, rest, batch, *, step=None, capture_attention=False
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable, *, moe_aux_coef: float,
-                    kl_weight: float) -> Callable:
+                    kl_weight: float, router_bias_rate: float) -> Callable:
   """(state, batch) -> (state one step on, metrics). The loss is the text cross-entropy + moe_aux_coef x the MoE
-  load-balance loss (the model's `router_aux_loss_coef`) + kl_weight x MSA's indexer KL loss."""
+  load-balance loss (the model's `router_aux_loss_coef`) + kl_weight x MSA's indexer KL loss. With
+  router_bias_rate > 0 (the model's `router_bias_update_rate`) every MoE layer's router bias then takes one
+  aux-loss-free balancing step from this step's expert load, inside the compiled step (state.rest)."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     def loss_fn(params):
@@ -68,11 +70,21 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
         "tokens": count,
         **{f"msa/{k}": v for k, v in aux["metrics"].items()},
     }
+    rest = state.rest
     if "expert_load" in aux:
-      load = aux["expert_load"]  # [L_moe, E]: share of routed slots per expert, 1/E when balanced
-      metrics["moe/max_load"] = jnp.max(load) * load.shape[-1]
-      metrics["moe/min_load"] = jnp.min(load) * load.shape[-1]
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+      load = aux["expert_load"]  # [L_moe, E]: share of routed slots per expert
+      e = load.shape[-1]
+      metrics["moe/max_load"] = jnp.max(load) * e  # over all MoE layers; 1 when balanced
+      metrics["moe/min_load"] = jnp.min(load) * e
+      model = nnx.merge(graphdef, state.params, state.rest)
+      for row, (layer, _) in zip(load, model.moe_layers()):
+        mean = jnp.maximum(jnp.mean(row), 1e-30)  # 1/E; 0 only for a batch without a real token
+        metrics[f"moe/max_over_mean/layer{layer}"] = jnp.max(row) / mean
+        metrics[f"moe/min_over_mean/layer{layer}"] = jnp.min(row) / mean
+      if router_bias_rate > 0:
+        model.update_router_biases(load, router_bias_rate)
+        _, _, rest = nnx.split(model, nnx.Param, ...)
+    new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
     return new_state, metrics
 
   return train_step
