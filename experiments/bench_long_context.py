@@ -43,14 +43,20 @@ def train(name: str, arg: str, args) -> dict:
   cmd = [sys.executable, "-m", "m3_jax.main", f"--config=configs/small_msa.py:{arg}", f"--workdir={work}",
          f"--config.data.dir={args.data_dir}", f"--config.train.log_every={args.log_every}"]
   t0 = time.time()
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.run_timeout)
-  log = proc.stdout + proc.stderr
-  res = {"returncode": proc.returncode, "wall_s": time.time() - t0}
+  try:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.run_timeout)
+    returncode, log = proc.returncode, proc.stdout + proc.stderr
+  except subprocess.TimeoutExpired as e:  # the steps logged so far still count
+    returncode = "timeout"
+    log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+  res = {"returncode": returncode, "wall_s": time.time() - t0}
   rows = [r for r in metrics.read(work) if "tokens_per_sec" in r] if os.path.isdir(work) else []
   steady = rows[2:] if len(rows) > 3 else rows[1:]
-  if proc.returncode or not steady:
+  if not steady:
     res["log_tail"] = log.splitlines()[-6:]
     return res
+  if returncode:
+    res["log_tail"] = log.splitlines()[-6:]
   res["tokens_per_sec"] = statistics.median(r["tokens_per_sec"] for r in steady)
   res["mfu"] = statistics.median(r["mfu"] for r in steady)
   res["loss_first_last"] = [rows[0]["loss"], rows[-1]["loss"]]
@@ -92,6 +98,8 @@ def main():
         per[attention] = entry
         entries.append(entry)
         print(json.dumps(entry), flush=True)
+        with open(args.out, "w") as f:  # after every run: a later crash or time-out loses nothing
+          json.dump({"info": info, "runs": entries}, f, indent=1)
       if "dense" in per and "msa" in per:
         ratio = per["dense"]["flops_per_token"] / per["msa"]["flops_per_token"]
         for e in per.values():
