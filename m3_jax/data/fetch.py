@@ -66,12 +66,14 @@ def pypi_sdist(name: str, version: str, cache_dir: str) -> str:
 
 
 def _find_sdist(dest: str, name: str, version: str) -> str | None:
-  # pip normalises the file name (e.g. dashes to underscores) depending on the sdist's age.
-  for stem in {name, name.replace("-", "_"), name.replace("_", "-")}:
-    for ext in (".tar.gz", ".zip", ".tar.bz2"):
-      path = os.path.join(dest, f"{stem}-{version}{ext}")
-      if os.path.exists(path):
-        return path
+  # The file name keeps the project's own spelling, which depends on the sdist's age: dashes or underscores, and
+  # capitals ("Django-5.1.4.tar.gz" for `django`).
+  def norm(s: str) -> str:
+    return s.lower().replace("-", "_")
+  want = {norm(f"{name}-{version}{ext}") for ext in (".tar.gz", ".zip", ".tar.bz2")}
+  for f in sorted(os.listdir(dest)):
+    if norm(f) in want and os.path.isfile(os.path.join(dest, f)):
+      return os.path.join(dest, f)
   return None
 
 

