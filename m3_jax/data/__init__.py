@@ -6,6 +6,9 @@
     it = iter(data.make_train_dataset("/work/main/data", seq_len=1024, global_batch_size=32, seed=0))
     batch = next(it)                                     # the keys of m3_jax.core.batch.TEXT_KEYS
 
+Long documents (whole books, manuals, repository-level code; a separate directory, minutes to build):
+    data.prepare("/tmp/long_data", profile="long")      # or: python -m m3_jax.data DIR --profile=long
+
 Images and video:
     data.prepare("/work/main/data", vision=True)         # or: python -m m3_jax.data DIR --vision
     spec = data.VisionSpec(height=32, width=32, patch_size=4, num_frames=8)
@@ -16,6 +19,7 @@ From an experiment config (what the trainer calls): `data.inputs.prepare / train
 
 The modules, text and vision side by side:
     text_sources, vision_sources   where each source comes from and how it is read (rdata: R files, for austen)
+    long_sources                   the long profile's sources: whole books and manuals, code per package directory
     text_prepare, vision_prepare   prepare / prepare_vision: splits, tokenizer, files on disk, manifests, CLI
     text_pipeline, vision_pipeline grain datasets: packing, mixing, eval batches
     captions, motion               captions of images and clips; the synthetic-motion clip renderer

