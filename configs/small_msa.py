@@ -11,6 +11,7 @@ r"""Long-context training of a small M3-shaped model with MSA or dense attention
 KL; no indexer warmup unless warmup_steps > 0); attention=dense: every layer cuDNN dense attention. `heads` is
 q/kv heads: 8/2 (G=4) or 16/1 (G=16, M3's group size). `remat` wraps each layer in jax.checkpoint;
 `remat_policy=save_selection` keeps the MSA block selection from the forward (the backward skips the index scoring).
+`loss_chunk=N` computes the output layer and loss N positions at a time (`train.loss_chunk`).
 """
 
 from m3_jax.train.config_lib import parse_arg
@@ -22,7 +23,7 @@ LAYERS = 8
 def get_config(arg=None):
   a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, remat_policy="full", document_mask=False,
                 steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1,
-                metrics_every=10)
+                metrics_every=10, loss_chunk=0, attention_impl="cudnn")
   if a.attention not in ("msa", "dense"):
     raise ValueError(f"configs/small_msa.py: attention={a.attention!r}; expected 'msa' or 'dense'")
   hq, _, hkv = a.heads.partition("/")
@@ -52,7 +53,7 @@ def get_config(arg=None):
   m.warmup_steps = a.warmup_steps
   m.msa_impl = a.msa_impl
   m.msa_metrics_every = a.metrics_every  # the recall diagnostics on the logged steps only (log_every 10)
-  m.attention_impl = "cudnn"
+  m.attention_impl = a.attention_impl  # xla (and msa_impl=xla) for a CPU smoke run
   m.dtype = "bfloat16"
   m.remat = a.remat
   m.remat_policy = a.remat_policy
@@ -61,6 +62,7 @@ def get_config(arg=None):
   c.train.steps = a.steps
   c.train.batch_size = a.batch_size
   c.train.seq_len = a.seq_len
+  c.train.loss_chunk = a.loss_chunk  # e.g. 4096 for the longest contexts: the logits are never held whole
   c.train.log_every = 10
   c.train.eval_every = 0
   c.optim.learning_rate = 1e-3

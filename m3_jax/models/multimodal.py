@@ -172,19 +172,23 @@ class VLModel(nnx.Module):
                *, images: jax.Array | None = None, image_valid: jax.Array | None = None,
                videos: jax.Array | None = None, video_valid: jax.Array | None = None,
                loss_mask: jax.Array | None = None, capture_attention: bool = False, step_state: Any = None,
-               max_frames: int | None = None):
+               max_frames: int | None = None, head: bool = True):
     """inputs: [B, L] token ids with placeholders; positions, segment_ids, loss_mask: [B, L] as for TextModel.
-    max_frames overrides cfg.vision.max_frames (the ViT segment length). Returns (logits [B, L, V] f32, aux)."""
+    max_frames overrides cfg.vision.max_frames (the ViT segment length). Returns (logits [B, L, V] f32, aux), or
+    (hidden [B, L, d], aux) with head=False (TextModel's)."""
     if inputs.ndim != 2:
       raise ValueError(f"VLModel: inputs must be [B, L] token ids, got shape {inputs.shape}")
     x = self.embed(inputs, images=images, image_valid=image_valid, videos=videos, video_valid=video_valid,
                    max_frames=max_frames)
     logits, aux = self.language_model(inputs_embeds=x, positions=positions, segment_ids=segment_ids,
                                       loss_mask=loss_mask, capture_attention=capture_attention,
-                                      step_state=step_state)
+                                      step_state=step_state, head=head)
     if capture_attention:
       is_visual = (inputs == self.cfg.image_token_index) | (inputs == self.cfg.video_token_index)
       per_layer = [text_to_visual_mass(p, is_visual, segment_ids) for p in aux["attention_probs"]]
       aux["text_to_visual_attention"] = jnp.stack([m for m, _ in per_layer])  # [layers, heads]
       aux["text_to_visual_queries"] = per_layer[0][1] if per_layer else jnp.zeros((), jnp.float32)
     return logits, aux
+
+  def head_logits(self, x: jax.Array) -> jax.Array:
+    return self.language_model.head_logits(x)

@@ -91,10 +91,11 @@ class TextModel(nnx.Module):
   def __call__(self, input_ids: jax.Array | None = None, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, *, inputs_embeds: jax.Array | None = None,
                loss_mask: jax.Array | None = None, caches: list | None = None, capture_attention: bool = False,
-               step_state: Any = None):
+               step_state: Any = None, head: bool = True):
     """input_ids: [B, T] int (or inputs_embeds [B, T, d]); positions: [B, T] (default arange, offset by the cache
     length when decoding); segment_ids: [B, T] packing ids (None: one sequence per row).
-    Returns (logits [B, T, V] f32, aux)."""
+    Returns (logits [B, T, V] f32, aux); with head=False (hidden [B, T, d] after the final norm, aux), for a loss
+    that applies `head_logits` a chunk of tokens at a time."""
     if (input_ids is None) == (inputs_embeds is None):
       raise ValueError("TextModel: pass exactly one of input_ids and inputs_embeds")
     x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.astype(_dtype(self.cfg.dtype))
@@ -130,8 +131,7 @@ class TextModel(nnx.Module):
       for k, v in aux.get("metrics", {}).items():
         layer_metrics[f"layer{i}/{k}"] = v
     x = self.norm(x)
-    logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+    logits = self.head_logits(x) if head else x
     out_aux: dict[str, Any] = {
         "moe_aux_loss": sum(moe_losses) / len(moe_losses) if moe_losses else jnp.zeros((), jnp.float32),
         "kl_loss": sum(kls) if kls else jnp.zeros((), jnp.float32),
@@ -145,3 +145,8 @@ class TextModel(nnx.Module):
     if caches is not None:
       out_aux["caches"] = new_caches
     return logits, out_aux
+
+  def head_logits(self, x: jax.Array) -> jax.Array:
+    """Final-norm hidden states [B, T, d] -> logits [B, T, V] f32."""
+    logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+    return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))

@@ -10,9 +10,9 @@ The public API (what experiments and drivers use; import the modules, nothing is
   state.build_model(cfg, rngs)                                         TextModel or VLModel, from the model config
   state.abstract_state(cfg, tx, mesh)                                  (graphdef, sharded ShapeDtypeStructs, shardings)
   state.init_state(cfg, tx, mesh, seed)                                (graphdef, TrainState born sharded, shardings)
-  steps.forward(graphdef, params, rest, batch)                         (logits, aux)
-  steps.make_train_step(graphdef, tx, schedule, moe_aux_coef=, kl_weight=, router_bias_rate=)
-  steps.make_eval_step(graphdef)
+  steps.forward(graphdef, params, rest, batch)                         (logits, aux); head=False: (hidden, aux)
+  steps.make_train_step(graphdef, tx, schedule, moe_aux_coef=, kl_weight=, router_bias_rate=, loss_chunk=0)
+  steps.make_eval_step(graphdef, loss_chunk=0)
   steps.to_global(host_batch, mesh)                                    host numpy batch -> global jax.Arrays
   checks.check_host_batch(batch, cfg, what)                            the eager checks of every batch
   checkpoint.make_checkpointer(config, workdir)                        WORKDIR/checkpoints

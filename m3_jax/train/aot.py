@@ -53,7 +53,8 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
            for k in TEXT_KEYS}
   step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(cfg.router_aux_loss_coef),
-                                 kl_weight=cfg.kl_weight, router_bias_rate=float(cfg.router_bias_update_rate)),
+                                 kl_weight=cfg.kl_weight, router_bias_rate=float(cfg.router_bias_update_rate),
+                                 loss_chunk=int(config.train.get("loss_chunk", 0))),
                  in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=(0,))
   t0 = time.time()
   with jax.set_mesh(mesh):
@@ -73,12 +74,13 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "compiled_argument_bytes_per_device": getattr(mem, "argument_size_in_bytes", None),
       "compiled_output_bytes_per_device": getattr(mem, "output_size_in_bytes", None),
       "compiled_temp_bytes_per_device": getattr(mem, "temp_size_in_bytes", None),
+      "compiled_alias_bytes_per_device": getattr(mem, "alias_size_in_bytes", None),  # outputs in donated inputs
       "lower_seconds": t_lower, "compile_seconds": t_compile,
   }
   lines = [
       f"model: {counts['total'] / 1e9:,.1f}B parameters ({counts['active'] / 1e9:,.1f}B active per token), "
       f"{cfg.num_hidden_layers} layers",
-      f"mesh {dict(mesh.shape)} ({n} fake CPU devices), batch {b} x {t} tokens",
+      f"mesh {dict(mesh.shape)} ({n} {jax.devices()[0].platform} devices), batch {b} x {t} tokens",
       f"params per device     {_gib(params_b['per_device'])}  (global {_gib(params_b['global'])})",
       f"optimizer per device  {_gib(opt_b['per_device'])}",
   ]

@@ -39,6 +39,9 @@ def check_fits(cfg: ModelConfig, config: ml_collections.ConfigDict, mesh: jax.sh
   eb = int(config.eval.batch_size)
   if eb % div:
     raise ValueError(f"eval.batch_size={eb} is not divisible by the batch-parallel mesh size {div}")
+  chunk = int(config.train.get("loss_chunk", 0))
+  if chunk < 0 or (chunk and int(config.train.seq_len) % chunk):
+    raise ValueError(f"train.loss_chunk={chunk} must be 0 (off) or divide train.seq_len={config.train.seq_len}")
   param_shardings(cfg, mesh)  # raises, naming the parameter, if a dim does not divide over its mesh axes
 
 

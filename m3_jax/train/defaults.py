@@ -41,6 +41,10 @@ def base_config() -> ml_collections.ConfigDict:
   # of it is saved. loss_spike > 0 also stops it when a logged loss exceeds loss_spike x the lowest loss logged so
   # far in the run (e.g. 10). 0: off.
   c.train.loss_spike = 0.0
+  # Positions per chunk of the output layer and loss (0: all at once; must divide seq_len). Long contexts: the
+  # [B, T, V] f32 logits and their gradient are the largest activations (64 KiB per token at V = 8192); chunked,
+  # only one [B, loss_chunk, V] chunk's exist at a time and the backward recomputes each chunk's logits.
+  c.train.loss_chunk = 0
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-3

@@ -89,7 +89,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str, checkpoint: str | 
   checks.check_eval_sets(evals, cfg)
   p_sh = jax.tree.map(lambda x: x.sharding, params)
   r_sh = jax.tree.map(lambda x: x.sharding, rest)
-  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, r_sh, sharding.batch_sharding(mesh)))
+  eval_step = jax.jit(make_eval_step(graphdef, int(config.train.get("loss_chunk", 0))),
+                      in_shardings=(p_sh, r_sh, sharding.batch_sharding(mesh)))
   with jax.set_mesh(mesh):
     ev = evaluate_sets(eval_step, params, rest, evals, mesh)
   log(f"evaluated {what}:")

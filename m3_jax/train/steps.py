@@ -30,27 +30,73 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tup
   return jnp.sum(token_nll(logits, targets) * mask) / jnp.maximum(count, 1.0), count
 
 
-def forward(graphdef, params, rest, batch, *, step=None, capture_attention=False):
+def forward(graphdef, params, rest, batch, *, step=None, capture_attention=False, head=True):
   """(logits, aux) of the TextModel or VLModel in graphdef; a VL batch also passes its pixels (absent modalities
-  stay absent, so a text-only batch runs a VL model on text alone)."""
+  stay absent, so a text-only batch runs a VL model on text alone). head=False: (hidden [B, T, d], aux)."""
   model = nnx.merge(graphdef, params, rest)
   step_state = None if step is None else {"step": step}
   visual = {k: batch[k] for k in VISUAL_KEYS if k in batch}
   return model(batch["inputs"], batch["positions"], batch["segment_ids"], loss_mask=batch["loss_mask"],
-               step_state=step_state, capture_attention=capture_attention, **visual)
+               step_state=step_state, capture_attention=capture_attention, head=head, **visual)
+
+
+def chunked_token_stats(head_logits: Callable, hidden: jax.Array, targets: jax.Array,
+                        chunk: int) -> tuple[jax.Array, jax.Array]:
+  """Per-position NLL and argmax hit, both [B, T] f32, from hidden [B, T, d] `chunk` positions (of every row) at a
+  time.
+
+  The full logits are [B, T, V] f32 (at 1M tokens and V = 8192: 32 GiB, and as much again for their gradient);
+  here one chunk's logits exist at a time, and under jax.checkpoint the backward recomputes them per chunk (one
+  extra [chunk, d] x [d, V] matmul per chunk) instead of keeping them.
+  """
+  b, t, d = hidden.shape
+  if t % chunk:
+    raise ValueError(f"train.loss_chunk={chunk} must divide the sequence length {t}")
+  n = t // chunk
+  xs = (jnp.moveaxis(hidden.reshape(b, n, chunk, d), 1, 0), jnp.moveaxis(targets.reshape(b, n, chunk), 1, 0))
+
+  @jax.checkpoint
+  def one(args):
+    h, tg = args  # [B, c, d], [B, c]
+    logits = head_logits(h)  # [B, c, V] f32
+    return token_nll(logits, tg), (jnp.argmax(logits, axis=-1) == tg).astype(jnp.float32)
+
+  nll, hit = jax.lax.map(one, xs)  # [n, B, c] each
+  return jnp.moveaxis(nll, 0, 1).reshape(b, t), jnp.moveaxis(hit, 0, 1).reshape(b, t)
+
+
+def _token_stats(graphdef, params, rest, batch, *, step=None, loss_chunk=0):
+  """(nll [B, T], hit [B, T], aux): from the full logits, or `loss_chunk` tokens at a time when that divides T
+  (the trainer checks it does for training rows; an eval set of another length takes the full logits)."""
+  if loss_chunk and batch["inputs"].shape[1] % loss_chunk == 0:
+    hidden, aux = forward(graphdef, params, rest, batch, step=step, head=False)
+    head = nnx.merge(graphdef, params, rest).head_logits
+    nll, hit = chunked_token_stats(head, hidden, batch["targets"], loss_chunk)
+    return nll, hit, aux
+  logits, aux = forward(graphdef, params, rest, batch, step=step)
+  hit = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+  return token_nll(logits, batch["targets"]), hit, aux
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable, *, moe_aux_coef: float,
-                    kl_weight: float, router_bias_rate: float) -> Callable:
+                    kl_weight: float, router_bias_rate: float, loss_chunk: int = 0) -> Callable:
   """(state, batch) -> (state one step on, metrics). The loss is the text cross-entropy + moe_aux_coef x the MoE
   load-balance loss (the model's `router_aux_loss_coef`) + kl_weight x MSA's indexer KL loss. With
   router_bias_rate > 0 (the model's `router_bias_update_rate`) every MoE layer's router bias then takes one
-  aux-loss-free balancing step from this step's expert load, inside the compiled step (state.rest)."""
+  aux-loss-free balancing step from this step's expert load, inside the compiled step (state.rest).
+  loss_chunk > 0 (`train.loss_chunk`) computes the logits and the loss that many tokens at a time (long contexts:
+  the [B, T, V] f32 logits are never held whole); the same loss and gradients to f32 rounding."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     def loss_fn(params):
-      logits, aux = forward(graphdef, params, state.rest, batch, step=state.step)
-      ce, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+      if loss_chunk:  # check_fits: it divides train.seq_len
+        nll, _, aux = _token_stats(graphdef, params, state.rest, batch, step=state.step, loss_chunk=loss_chunk)
+        mask = batch["loss_mask"].astype(jnp.float32)
+        count = jnp.sum(mask)
+        ce = jnp.sum(nll * mask) / jnp.maximum(count, 1.0)
+      else:
+        logits, aux = forward(graphdef, params, state.rest, batch, step=state.step)
+        ce, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
       total = ce + moe_aux_coef * aux["moe_aux_loss"] + kl_weight * aux["kl_loss"]
       return total, (ce, count, aux)
 
@@ -90,15 +136,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   return train_step
 
 
-def make_eval_step(graphdef) -> Callable:
+def make_eval_step(graphdef, loss_chunk: int = 0) -> Callable:
   """(params, rest, batch) -> sums over the batch: NLL, target tokens and argmax hits (teacher-forced accuracy)
   under loss_mask, and the same three under every extra `NAME_mask` [B, L] of the batch (e.g. the synthetic-video
   eval's direction_mask / object_mask) as `NAME/loss_sum`, `NAME/tokens`, `NAME/correct`."""
 
   def eval_step(params, rest, batch) -> dict:
-    logits, _ = forward(graphdef, params, rest, batch)
-    nll = token_nll(logits, batch["targets"])
-    hit = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    nll, hit, _ = _token_stats(graphdef, params, rest, batch, loss_chunk=loss_chunk)
     out = {}
     for key in sorted(batch):
       if key.endswith("_mask"):

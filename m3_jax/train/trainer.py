@@ -88,10 +88,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, cfg: state_lib.ModelC
   # ============================================================================= compile (ahead of time) ==
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, moe_aux_coef=float(text_cfg.router_aux_loss_coef),
                                        kl_weight=text_cfg.kl_weight,
-                                       router_bias_rate=float(text_cfg.router_bias_update_rate)),
+                                       router_bias_rate=float(text_cfg.router_bias_update_rate),
+                                       loss_chunk=int(config.train.loss_chunk)),
                        in_shardings=(state_sh, sharding.batch_sharding(mesh)),
                        out_shardings=(state_sh, None), donate_argnums=(0,))
-  eval_step = jax.jit(make_eval_step(graphdef),
+  eval_step = jax.jit(make_eval_step(graphdef, int(config.train.loss_chunk)),
                       in_shardings=(state_sh.params, state_sh.rest, sharding.batch_sharding(mesh)))
   batch = to_global(host_batch, mesh) if host_batch is not None else None
   with jax.set_mesh(mesh):
