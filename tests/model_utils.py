@@ -17,3 +17,10 @@ def randomize(model, seed=0, std=0.3):
 
 def np_params(model):
   return jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(model)))
+
+
+def numpy_values(abstract_state, seed=0, std=0.1):
+  """An nnx.State of ShapeDtypeStructs (e.g. from `nnx.eval_shape`) filled with normal(0, std) numbers made by
+  numpy: no JAX op runs, so nothing is compiled (eager initialisation costs seconds of op compiles per model)."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: np.asarray(std * rng.standard_normal(x.shape), x.dtype), abstract_state)

@@ -10,8 +10,9 @@ from flax import nnx
 
 from m3_jax.models.config import TextConfig
 from m3_jax.models.moe import balance_bias_step
-from m3_jax.train.state import abstract_model, make_init_fn
+from m3_jax.train.state import TrainState, abstract_model
 from m3_jax.train.steps import cross_entropy, forward, make_train_step
+from tests.model_utils import numpy_values
 
 LR = 1e-2
 
@@ -35,13 +36,14 @@ def batch(cfg, b=2, t=12, seed=0):
 
 
 def fresh_state(cfg, tx):
-  graphdef = abstract_model(cfg)[0]
-  state = make_init_fn(cfg, tx)(jax.random.key(0))  # eager: compiling init would cost more than running it
-  # a non-zero starting bias, different per layer and expert, so a step that ignores it or mixes layers shows
-  biases = jax.random.normal(jax.random.key(7), (2, cfg.num_local_experts)) * 0.05
-  flat = [(k, v.replace(biases[{1: 0, 2: 1}[k[1]]]) if k[-1] == "e_score_correction_bias" else v)
-          for k, v in nnx.to_flat_state(state.rest)]
-  return graphdef, state.replace(rest=nnx.from_flat_state(flat))
+  """(graphdef, a TrainState with random parameters and a router bias that differs per layer and expert, so a step
+  that ignores the bias or mixes up layers shows)."""
+  graphdef, params, rest = abstract_model(cfg)
+  params = numpy_values(params, seed=0, std=0.1)
+  rest = numpy_values(rest, seed=1, std=0.05)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=jax.jit(tx.init)(params),
+                     rng=jax.random.key(0))
+  return graphdef, state
 
 
 def router_biases(rest):
@@ -63,7 +65,7 @@ def test_bias_step_is_a_sign_step_toward_equal_load():
 def setup():
   """The model, a fresh state and the jitted steps the tests share (each compiles once per module)."""
   cfg = tiny_cfg()
-  tx = optax.adamw(LR)
+  tx = optax.sgd(LR)  # the optimizer is not what is tested: the cheapest to compile
   graphdef, state = fresh_state(cfg, tx)
 
   def balanced_step(rate):

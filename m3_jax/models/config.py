@@ -21,7 +21,7 @@ from m3_jax.models.hf_config import resolve_text_config
 MLP_DENSE = "dense"
 MLP_MOE = "sparse"
 MLP_LAYER_TYPES = (MLP_DENSE, MLP_MOE)
-MOE_IMPLS = ("ragged", "dense", "capacity")
+MOE_IMPLS = ("ragged", "dense", "capacity", "expert_parallel")
 # With remat: "full" recomputes the whole layer in the backward; "save_selection" keeps each MSA layer's block
 # selection (int32 [B, Hkv, T, topk]) from the forward, so the recompute skips the index scoring and the top-k.
 REMAT_POLICIES = ("full", "save_selection")
@@ -76,8 +76,10 @@ class TextConfig:
   # attends causally across the whole row, which lets cuDNN skip the upper triangle instead of reading a mask.
   document_mask: bool = True
   moe_impl: str = "ragged"
-  # moe_impl="capacity": each expert takes at most capacity_factor * N * k / E tokens per batch (GShard-style
-  # buffers that shard over `expert`); assignments past that are dropped. ragged and dense never drop.
+  # moe_impl="expert_parallel": ragged's function with the experts split over the `expert` mesh axis (all-to-all
+  # token exchange, dropless; models/moe_parallel.py). moe_impl="capacity": each expert takes at most
+  # capacity_factor * N * k / E tokens per batch (GShard-style buffers that shard over `expert`); assignments past
+  # that are dropped. ragged, dense and expert_parallel never drop.
   capacity_factor: float = 1.25
   # Load balancing, either way or both: `router_aux_loss_coef` x the balance loss in the train loss (HF's field, the
   # one place its coefficient lives), and aux-loss-free balancing (ours; how M3 and DeepSeek-V3 train): after each

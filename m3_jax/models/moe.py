@@ -6,6 +6,8 @@ Two expert implementations compute the same function: `ragged` (tokens sorted by
 every token, weighted by the sparse combine matrix: simple, used as a reference in tests). A third, `capacity`,
 drops assignments past a per-expert capacity: fixed [E, C, d] buffers, plain batched matmuls that shard over
 `expert`, and a bounded memory footprint on GPUs, where ragged_dot's backward materialises per-group temporaries.
+A fourth, `expert_parallel` (models/moe_parallel.py), is `ragged`'s function with the experts split over the
+`expert` mesh axis and the token slots exchanged by all-to-all; without an `expert` axis it is `ragged`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from m3_jax.models import moe_parallel
 from m3_jax.models.layers import DenseMLP, param, swiglu_oai
 from m3_jax.core.sharding import constrain
 
@@ -117,6 +120,14 @@ class MoE(nnx.Module):
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros((n, dm), jnp.float32).at[token].add(y)
 
+  def _experts_expert_parallel(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
+    """x: [N, d]; w, idx: [N, k] -> [N, d] f32."""
+    if moe_parallel.expert_shards() == 1:  # no expert axis to split over: the same function on this device
+      return self._experts_ragged(x, w, idx)
+    return moe_parallel.experts_all_to_all(x, w, idx, self.gate_up[...].astype(self.dtype),
+                                           self.down[...].astype(self.dtype), alpha=self.dims.alpha,
+                                           limit=self.dims.limit)
+
   def _experts_dense(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     e = self.dims.num_experts
     combine = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32) * w[..., None], axis=1)  # [N, E]
@@ -153,8 +164,8 @@ class MoE(nnx.Module):
     logits = jnp.einsum("nd,de->ne", xf.astype(jnp.float32), self.router[...])
     w, idx, scores = route(logits, self.e_score_correction_bias[...], self.dims.top_k,
                            self.dims.routed_scaling_factor)
-    experts = {"ragged": self._experts_ragged, "dense": self._experts_dense,
-               "capacity": self._experts_capacity}[self.impl]
+    experts = {"ragged": self._experts_ragged, "dense": self._experts_dense, "capacity": self._experts_capacity,
+               "expert_parallel": self._experts_expert_parallel}[self.impl]
     y = experts(xf, w, idx).astype(x.dtype).reshape(b, t, dm)
     y = constrain(y, ("activation_batch", "activation_length", "activation_embed"))
     y = y + self.shared(x)

@@ -1,0 +1,111 @@
+"""Expert parallelism: the routed experts split over the `expert` mesh axis, token slots exchanged by all-to-all.
+
+`MoE(impl="expert_parallel")` routes every token as the other implementations do (routing is per token, so each
+device routes its own tokens), then runs `experts_all_to_all` inside one `jax.shard_map` over the whole mesh. Each
+device holds n tokens (the batch split over the batch axes, `expert` included) and E / ep experts (ep: the size
+of the `expert` axis), with their `mlp` dim split over `tensor` and their `embed` dim gathered from `fsdp` at the
+shard_map boundary (FSDP's gather; its transpose is the gradient's reduce-scatter). On each device:
+
+  1. every slot (token, chosen expert) goes into a fixed send buffer [ep, C, d] at the row of the shard that holds
+     its expert, with the expert's local id; C = n * min(k, E / ep) is the most slots one device can send to one
+     shard (each token's k distinct experts all on that shard), so nothing is ever dropped: the buffers trade up to
+     ep x the balanced size for an exact, HF-equal function whatever the routing;
+  2. all-to-all over `expert`: each shard receives the slots for its experts from every shard;
+  3. grouped matmuls over the local experts (`ragged_dot`); empty buffer rows are zeros, which every expert maps
+     to zero outputs and zero weight gradients, so they need no mask;
+  4. all-to-all back, each slot's output weighted and summed into its token; a psum over `tensor` completes the
+     down projection, whose contraction dim is split there.
+
+Fixed buffers because XLA:CPU has no ragged all-to-all (jax 0.11: "HLO opcode ragged-all-to-all is not supported by
+XLA:CPU"), and the tests of this path run on fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from m3_jax.core import sharding
+from m3_jax.models.layers import swiglu_oai
+
+# The mesh axes the expert weights are split over (the logical table is the one place that names them).
+EXPERT_AXIS = sharding.LOGICAL_RULES["exp"]
+TENSOR_AXIS = sharding.LOGICAL_RULES["mlp"]
+
+
+def expert_shards() -> int:
+  """Size of the `expert` axis of the current mesh (1 without one: then there is nothing to exchange)."""
+  mesh = sharding.current_mesh()
+  return 1 if mesh is None else int(mesh.shape.get(EXPERT_AXIS, 1))
+
+
+def check_divisible(num_experts: int, intermediate: int, num_tokens: int) -> None:
+  """ValueError naming what does not split evenly over the current mesh."""
+  mesh = sharding.current_mesh()
+  ep, tp = expert_shards(), int(mesh.shape.get(TENSOR_AXIS, 1))
+  batch = sharding.batch_divisor(mesh)
+  if num_experts % ep:
+    raise ValueError(f"moe_impl='expert_parallel': num_local_experts={num_experts} does not divide over mesh axis "
+                     f"{EXPERT_AXIS!r} of size {ep} (mesh {dict(mesh.shape)}); use a divisor of the experts")
+  if intermediate % tp:
+    raise ValueError(f"moe_impl='expert_parallel': intermediate_size={intermediate} does not divide over mesh axis "
+                     f"{TENSOR_AXIS!r} of size {tp} (mesh {dict(mesh.shape)})")
+  if num_tokens % batch:
+    raise ValueError(f"moe_impl='expert_parallel': {num_tokens} tokens (batch x length) do not divide over the batch "
+                     f"axes {sharding.LOGICAL_RULES['activation_batch']} of total size {batch} (mesh "
+                     f"{dict(mesh.shape)})")
+
+
+def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, alpha: float,
+                    limit: float) -> jax.Array:
+  """xs: [M, d] rows sorted by local expert; group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc];
+  down: [E_loc, I_loc, d] -> [M, d] f32 (this device's part of the down projection when I is split)."""
+  e, dm, _, i = gate_up.shape
+  gu = jax.lax.ragged_dot(xs, gate_up.reshape(e, dm, 2 * i), group_sizes,
+                          preferred_element_type=jnp.float32)  # [M, 2 I_loc]
+  h = swiglu_oai(gu[:, :i], gu[:, i:], alpha=alpha, limit=limit).astype(xs.dtype)  # [M, I_loc]
+  return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)  # [M, d]
+
+
+def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, *,
+                       alpha: float, limit: float) -> jax.Array:
+  """The routed experts' output, expert-parallel over the current mesh (set with `jax.set_mesh`).
+
+  x: [N, d] tokens; w, idx: [N, k] combine weights (f32) and global expert ids; gate_up: [E, d, 2, I];
+  down: [E, I, d]. Returns [N, d] f32, the same function as the single-device grouped matmul.
+  """
+  num_experts, _, _, inter = gate_up.shape
+  check_divisible(num_experts, inter, x.shape[0])
+  ep = expert_shards()
+  e_loc = num_experts // ep
+
+  def local(x, w, idx, gate_up, down):
+    # x: [n, d]; w, idx: [n, k]; gate_up: [E_loc, d, 2, I_loc]; down: [E_loc, I_loc, d]
+    n, k = idx.shape
+    dm = x.shape[-1]
+    cap = n * min(k, e_loc)
+    flat = idx.reshape(-1)  # [n k]
+    token = jnp.arange(n * k) // k
+    dest = flat // e_loc  # [n k]: the shard that holds the slot's expert
+    onehot = jax.nn.one_hot(dest, ep, dtype=jnp.int32)  # [n k, ep]
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # [n k]: row in its shard's buffer
+    send = jnp.zeros((ep, cap, dm), x.dtype).at[dest, pos].set(x[token])  # [ep, C, d]
+    send_id = jnp.full((ep, cap), -1, jnp.int32).at[dest, pos].set(flat % e_loc)  # [ep, C]; -1: empty row
+    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: block j from shard j
+    recv_id = jax.lax.all_to_all(send_id, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C]
+    rows, ids = recv.reshape(ep * cap, dm), recv_id.reshape(ep * cap)  # [M, d], [M]
+    key = jnp.where(ids < 0, e_loc - 1, ids)  # empty (zero) rows join the last group: zero in, zero out
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]
+    y_sorted = _grouped_swiglu(rows[order], group_sizes, gate_up, down, alpha=alpha, limit=limit)  # [M, d]
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # back to the received order
+    back = jax.lax.all_to_all(y.reshape(ep, cap, dm), EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: my slots
+    got = back[dest, pos] * w.reshape(-1)[:, None]  # [n k, d]
+    out = jnp.zeros((n, dm), jnp.float32).at[token].add(got)  # [n, d]
+    return jax.lax.psum(out, TENSOR_AXIS)
+
+  tokens = sharding.logical_to_spec(("activation_batch", None))
+  return jax.shard_map(
+      local, out_specs=tokens,
+      in_specs=(tokens, tokens, tokens, sharding.logical_to_spec(("exp", None, None, "mlp")),
+                sharding.logical_to_spec(("exp", "mlp", None))))(x, w, idx, gate_up, down)
