@@ -20,7 +20,6 @@ SWEEP_DIR/report.md and SWEEP_DIR/moe_balance.png; the verdict in report.md is c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
