@@ -44,11 +44,14 @@ def np_select_blocks(q_idx, k_idx, block_size, topk, local_blocks, q_offset, seg
   With segments the raw score of a block is the max over its keys of the query's segment (-inf if none); the local
   blocks still get +inf, so a local block without such a key is still selected, as HF forces it.
   """
-  q_idx, k_idx = np.float64(q_idx), np.float64(k_idx)
-  B, T, H, _ = q_idx.shape
-  S = k_idx.shape[1]
+  s = np.einsum("bthi,bsi->bhts", np.float64(q_idx), np.float64(k_idx))
+  return np_select_from_scores(s, block_size, topk, local_blocks, q_offset, segment_ids)
+
+
+def np_select_from_scores(s, block_size, topk, local_blocks, q_offset, segment_ids=None):
+  """np_select_blocks from token scores s [B, H, T, S] (any head combination the caller made)."""
+  B, H, T, S = s.shape
   nb = -(-S // block_size)
-  s = np.einsum("bthi,bsi->bhts", q_idx, k_idx)
   s = np.where(np_visible(T, S, q_offset, segment_ids)[:, None], s, -np.inf)
   s = np.concatenate([s, np.full(s.shape[:3] + (nb * block_size - S,), -np.inf)], -1)
   raw = s.reshape(B, H, T, nb, block_size).max(-1)
@@ -121,6 +124,39 @@ def np_kl(q, k, q_idx, k_idx, support, scale, index_scale):
   dq_idx = np.einsum("bhts,bsi->bthi", dz, k_idx) * index_scale
   dk_idx = np.einsum("bhts,bthi->bsi", dz, q_idx) * index_scale
   return kl.sum() / n, dq_idx, dk_idx, dz
+
+
+def np_kl_shared(q, k, q_idx, k_idx, support, scale, index_scale):
+  """The shared-selection indexer's KL (msa_selection="shared"): one support [B, 1, T, S] for all groups, the
+  student Q = softmax_I(sum_h q_idx_h . k_idx * index_scale), the target P_all = mean over all Hq query heads of
+  softmax_I(q_h . k_{group(h)} * scale).
+
+  Returns (KL(P_all || Q) averaged over (b, t), mean over (b, t, g) of KL(P_g || P_all) with P_g the mean of group
+  g's heads, d KL(P_all || Q) / d q_idx [B, T, Hkv, d_idx] (the same for every head, which enters through the sum),
+  d / d k_idx [B, S, d_idx]).
+  """
+  q, k, q_idx, k_idx = map(np.float64, (q, k, q_idx, k_idx))
+  B, T, Hq, _ = q.shape
+  S, Hkv = k.shape[1:3]
+  G = Hq // Hkv
+  support = np.broadcast_to(support, (B, 1, T, S))
+  p_heads = np_softmax(np.einsum("bthd,bshd->bhts", q, np.repeat(k, G, axis=2)) * scale,
+                       np.broadcast_to(support, (B, Hq, T, S)))
+  p_groups = p_heads.reshape(B, Hkv, G, T, S).mean(2)  # [B, Hkv, T, S]
+  p_all = p_heads.mean(1)  # [B, T, S]
+  z = sum(np.einsum("bti,bsi->bts", q_idx[:, :, h], k_idx) for h in range(Hkv)) * index_scale
+  student = np_softmax(z, support[:, 0])  # [B, T, S]
+
+  def kl(p, r):
+    with np.errstate(divide="ignore", invalid="ignore"):
+      return np.where(p > 0, p * (np.log(p) - np.log(r)), 0.0).sum(-1)
+
+  n = B * T
+  dz = (student - p_all) / n  # [B, T, S]
+  dq = np.einsum("bts,bsi->bti", dz, k_idx) * index_scale
+  dk = np.einsum("bts,bti->bsi", dz, q_idx.sum(2)) * index_scale
+  gap = kl(p_groups, p_all[:, None]).mean()
+  return kl(p_all, student).sum() / n, gap, np.repeat(dq[:, :, None], Hkv, axis=2), dk
 
 
 # ---------------------------------------------------------------------------------------------------------------------

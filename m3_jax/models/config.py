@@ -25,6 +25,9 @@ MOE_IMPLS = ("ragged", "dense", "capacity", "expert_parallel")
 # With remat: "full" recomputes the whole layer in the backward; "save_selection" keeps each MSA layer's block
 # selection (int32 [B, Hkv, T, topk]) from the forward, so the recompute skips the index scoring and the top-k.
 REMAT_POLICIES = ("full", "save_selection")
+# msa_selection values: "per_group" is M3 (one block set per query and GQA group); "shared" is the ablation of one
+# set per query for all groups (DeepSeek DSA's design applied to GQA).
+MSA_SELECTIONS = ("per_group", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,11 @@ class TextConfig:
   kl_weight: float = 1.0
   warmup_steps: int = 0
   detach_index_input: bool = True
+  # Ablation of the paper's per-group selection (ours): "shared" picks one block set per query for all KV groups,
+  # ranked by the index scores summed over the index heads (sum_h q_idx_h . k_idx, i.e. one index query
+  # sum_h q_idx_h: the select kernels run it as a single head, the sparse kernels get the set broadcast to every
+  # group). Its KL trains that summed score toward the mean attention of all query heads (see MSAAttention).
+  msa_selection: str = "per_group"
   msa_impl: str = "xla"  # pallas_kernels.msa implementation: xla | reference | pallas
   msa_index_fp8: bool = False  # select blocks from fp8 (e4m3) index q/k, one scale per vector (quantize_index)
   msa_metric_queries: int = 64  # queries sampled per step for the recall metrics
@@ -126,6 +134,16 @@ class TextConfig:
       if not 0 < self.num_experts_per_tok <= self.num_local_experts:
         bad(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_local_experts="
             f"{self.num_local_experts}]")
+    if self.msa_selection not in MSA_SELECTIONS:
+      bad(f"msa_selection={self.msa_selection!r}; expected one of {MSA_SELECTIONS}")
+    if "minimax_m3_sparse" in self.layer_types:
+      for name in ("index_block_size", "index_topk_blocks"):
+        if int(getattr(self, name)) <= 0:
+          bad(f"{name}={getattr(self, name)} must be positive (MSA layers select index_topk_blocks blocks of "
+              "index_block_size keys)")
+      if not 0 <= self.index_local_blocks <= self.index_topk_blocks:
+        bad(f"index_local_blocks={self.index_local_blocks} must be in [0, index_topk_blocks="
+            f"{self.index_topk_blocks}] (the forced local blocks take selection slots)")
     if self.attention_impl not in ATTENTION_IMPLS:
       bad(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     if self.moe_impl not in MOE_IMPLS:
@@ -170,6 +188,18 @@ class TextConfig:
       raise ValueError(f"TextConfig: unknown fields {unknown}; known fields are {sorted(fields)}")
     return cls(**d)
 
+
+def msa_token_budget(block_size: int, tokens: int = 2048) -> dict[str, int]:
+  """TextConfig overrides that let each (query, group) read `tokens` keys in blocks of `block_size`:
+  `TextConfig(**msa_token_budget(16))` is block 16 x top 128, the token-granular arm beside M3's block 128 x top 16
+  at the same budget. The Pallas GPU kernels need a power-of-two block_size >= 16 (xla takes any)."""
+  for name, v in (("block_size", block_size), ("tokens", tokens)):
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+      raise ValueError(f"msa_token_budget: {name}={v!r}; expected a positive int")
+  if tokens % block_size:
+    raise ValueError(f"msa_token_budget: tokens={tokens} is not a multiple of block_size={block_size} (the budget "
+                     "is a whole number of blocks)")
+  return {"index_block_size": block_size, "index_topk_blocks": tokens // block_size}
 
 
 VISION_ACTS = ("gelu", "gelu_pytorch_tanh", "quick_gelu")

@@ -8,6 +8,10 @@ those (`sparse_attention`); the KL alignment (`kl_loss`) trains the index branch
 
 Indexer warmup: while `step < warmup_steps` the main branch is dense and the KL target is the dense causal
 distribution; the switch is a `lax.cond` on the traced step, so it never recompiles.
+
+Ablations (issue 19), each a TextConfig switch: `msa_selection="shared"` (one block set per query for all groups,
+see `MSAAttention._index_queries`), `detach_index_input=False`, and the block granularity at a fixed token budget
+(`index_block_size` x `index_topk_blocks`, e.g. config.msa_token_budget(16) = block 16 x top 128).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class MSADims:
   local_blocks: int
   warmup_steps: int = 0  # dense attention + dense KL target while step < warmup_steps
   detach_index_input: bool = True  # False only for the paper's ablation
+  selection: str = "per_group"  # per_group (M3) | shared (one block set per query for all groups)
   impl: str = "xla"  # pallas_kernels.msa implementation: xla | reference | pallas
   index_fp8: bool = False  # select blocks from fp8 (e4m3) index q/k, one scale per vector
   metric_queries: int = 64  # queries sampled per step for the recall metrics
@@ -52,14 +57,24 @@ class MSADims:
   def __post_init__(self):
     if self.metrics_every < 1:
       raise ValueError(f"msa_metrics_every={self.metrics_every}: expected >= 1 (1 = every step)")
+    if self.selection not in ("per_group", "shared"):
+      raise ValueError(f"msa_selection={self.selection!r}: expected 'per_group' or 'shared'")
 
   @classmethod
   def from_config(cls, cfg) -> "MSADims":
     return cls(attention=AttentionDims.from_config(cfg), index_heads=cfg.index_n_heads,
                index_dim=cfg.index_head_dim, block_size=cfg.index_block_size, topk_blocks=cfg.index_topk_blocks,
                local_blocks=cfg.index_local_blocks, warmup_steps=cfg.warmup_steps,
-               detach_index_input=cfg.detach_index_input, impl=cfg.msa_impl, index_fp8=cfg.msa_index_fp8,
-               metric_queries=cfg.msa_metric_queries, metrics_every=cfg.msa_metrics_every)
+               detach_index_input=cfg.detach_index_input, selection=cfg.msa_selection, impl=cfg.msa_impl,
+               index_fp8=cfg.msa_index_fp8, metric_queries=cfg.msa_metric_queries,
+               metrics_every=cfg.msa_metrics_every)
+
+
+def shared_index_queries(q_idx: jax.Array) -> jax.Array:
+  """msa_selection="shared": every group's index query becomes sum_h q_idx_h (see MSAAttention._index_queries).
+  q_idx: [B, T, Hkv, d_idx] -> [B, T, Hkv, d_idx], equal along the head axis."""
+  q_sum = jnp.sum(q_idx.astype(jnp.float32), axis=2, keepdims=True).astype(q_idx.dtype)  # [B, T, 1, d_idx]
+  return jnp.broadcast_to(q_sum, q_idx.shape)  # [B, T, Hkv, d_idx]
 
 
 @flax.struct.dataclass
@@ -147,21 +162,39 @@ class MSAAttention(Attention):
     every causal key by each index head."""
     a = dims.attention
     keys = min(seq_len / 2, dims.topk_blocks * dims.block_size)
-    return 6 * 2 * keys * a.num_heads * a.head_dim + 6 * seq_len / 2 * dims.index_heads * dims.index_dim
+    scored_heads = 1 if dims.selection == "shared" else dims.index_heads  # shared scores one summed index query
+    return 6 * 2 * keys * a.num_heads * a.head_dim + 6 * seq_len / 2 * scored_heads * dims.index_dim
 
   def init_cache(self, batch: int, max_len: int, dtype) -> MSACache:
     a = self.dims
     return MSACache.empty(batch, max_len, a.num_kv_heads, a.head_dim, self.msa.index_dim, dtype=dtype)
 
+  def _index_queries(self, q_idx: jax.Array) -> jax.Array:
+    """The index queries that select and that the KL trains, [B, T, Hkv, d_idx].
+
+    per_group: the heads' own. shared: every group gets q_sum = sum_h q_idx_h, so the one shared score is
+    sum_h q_idx_h . k_idx (the index scores summed over the index heads; the block score is its max-pool, as
+    per group). The KL kernels then compute mean_g KL(P_g || Q) with one student Q for all groups; its gradient
+    w.r.t. q_sum sums the groups' (Q - P_g) / Hkv terms into Q - mean_g P_g, which is the gradient of
+    KL(P_all || Q) with P_all the mean attention of all Hq query heads: the shared indexer's target. The logged
+    value exceeds KL(P_all || Q) by mean_g KL(P_g || P_all), a term the index branch cannot change; it is the
+    per-group arm's quantity (each group's teacher against the student that group reads), so the arms compare.
+    """
+    return q_idx if self.msa.selection == "per_group" else shared_index_queries(q_idx)
+
   def _select(self, q_idx: jax.Array, k_idx: jax.Array, ops: dict, seg: dict) -> jax.Array:
     """block_idx [B, Hkv, T, topk] (-1: no block) from the index branch, optionally scored in fp8 (selection only;
-    the KL trains the full-precision index branch)."""
-    sel_q, sel_k, sel_kw = q_idx, k_idx, {}
+    the KL trains the full-precision index branch). q_idx: from `_index_queries`."""
+    shared = self.msa.selection == "shared"
+    # shared: the groups' queries are one vector, scored once (a single index head) and the set broadcast.
+    sel_q, sel_k, sel_kw = (q_idx[:, :, :1] if shared else q_idx), k_idx, {}
     if self.msa.index_fp8:
-      sel_q, _ = msa_ops.quantize_index(q_idx)
+      sel_q, _ = msa_ops.quantize_index(sel_q)
       sel_k, sel_kw["k_idx_scale"] = msa_ops.quantize_index(k_idx)
-    return msa_ops.select_blocks(sel_q, sel_k, topk=self.msa.topk_blocks, local_blocks=self.msa.local_blocks,
-                                 **ops, **seg, **sel_kw)
+    block_idx = msa_ops.select_blocks(sel_q, sel_k, topk=self.msa.topk_blocks, local_blocks=self.msa.local_blocks,
+                                      **ops, **seg, **sel_kw)
+    block_idx = checkpoint_name(block_idx, SELECTION_NAME)  # [B, 1 | Hkv, T, topk]
+    return jnp.broadcast_to(block_idx, block_idx.shape[:1] + (q_idx.shape[2],) + block_idx.shape[2:])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
                cache: MSACache | None = None, capture: bool = False, step_state: Any = None):
@@ -172,6 +205,7 @@ class MSAAttention(Attention):
     if not self.document_mask:
       segment_ids = None
     q_idx, k_idx = self.indexer(jax.lax.stop_gradient(x) if msa.detach_index_input else x, positions)
+    q_idx = self._index_queries(q_idx)
     aux: dict[str, Any] = {}
     q_offset = None
     if cache is not None:
@@ -181,7 +215,7 @@ class MSAAttention(Attention):
       segment_ids = None
     ops = dict(block_size=msa.block_size, q_offset=q_offset, implementation=msa.impl)
     seg = {} if segment_ids is None else {"segment_ids": segment_ids}
-    block_idx = checkpoint_name(self._select(q_idx, k_idx, ops, seg), SELECTION_NAME)  # [B, Hkv, T, topk]
+    block_idx = self._select(q_idx, k_idx, ops, seg)  # [B, Hkv, T, topk]
     training = step_state is not None
     in_warmup = training and msa.warmup_steps > 0
     # On the Pallas kernels the KL reuses the attention forward's log-sum-exp (LSE fusion): a training step then
