@@ -12,6 +12,8 @@ KL; no indexer warmup unless warmup_steps > 0); attention=dense: every layer cuD
 q/kv heads: 8/2 (G=4) or 16/1 (G=16, M3's group size). `remat` wraps each layer in jax.checkpoint;
 `remat_policy=save_selection` keeps the MSA block selection from the forward (the backward skips the index scoring).
 `loss_chunk=N` computes the output layer and loss N positions at a time (`train.loss_chunk`).
+Issue-19 ablations: `selection=shared` (one block set per query for all KV groups), `detach=False`, and the
+granularity at M3's 2048-token budget: `block_size=16,topk=128` or `block_size=64,topk=32` (128 x 16 is M3's).
 """
 
 from m3_jax.train.config_lib import parse_arg
@@ -23,7 +25,7 @@ LAYERS = 8
 def get_config(arg=None):
   a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, remat_policy="full", document_mask=False,
                 steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1,
-                metrics_every=10, loss_chunk=0, attention_impl="cudnn")
+                metrics_every=10, loss_chunk=0, attention_impl="cudnn", selection="per_group", detach=True)
   if a.attention not in ("msa", "dense"):
     raise ValueError(f"configs/small_msa.py: attention={a.attention!r}; expected 'msa' or 'dense'")
   hq, _, hkv = a.heads.partition("/")
@@ -50,6 +52,8 @@ def get_config(arg=None):
   m.index_block_size = a.block_size
   m.index_topk_blocks = a.topk
   m.index_local_blocks = a.local_blocks
+  m.msa_selection = a.selection
+  m.detach_index_input = a.detach
   m.warmup_steps = a.warmup_steps
   m.msa_impl = a.msa_impl
   m.msa_metrics_every = a.metrics_every  # the recall diagnostics on the logged steps only (log_every 10)

@@ -2,11 +2,14 @@ r"""Tiny MSA model for a 2-core CPU: indexer warmup (dense attention, dense KL t
 
   python -m m3_jax.main --config=configs/tiny_msa.py --workdir=workdirs/tiny_msa
   python -m m3_jax.main --config=configs/tiny_msa.py:steps=100,warmup=30 --workdir=/tmp/msa
+  python -m m3_jax.main --config=configs/tiny_msa.py:selection=shared --workdir=/tmp/msa_shared
 
 Layer 0 is dense attention (M3 keeps its first 3 layers dense), the rest are `minimax_m3_sparse` with block 32,
 top-4 blocks, 1 local block, at sequence 512 (16 blocks: each query reads at most a quarter of its history).
 metrics.jsonl logs per MSA layer the KL, the attention-mass recall of the selection, the same recall for a random
-selection with the same forced local block, and the block recall against the oracle top blocks.
+selection with the same forced local block, the block recall against the oracle top blocks, and the groups'
+agreement (group_jaccard). Ablations: `selection=shared` (one block set per query for both KV groups),
+`detach=False` (the KL reaches the trunk), `block=8,topk=16` (token-granular at the same 128-token budget).
 """
 
 from m3_jax.train.config_lib import parse_arg
@@ -15,7 +18,7 @@ from m3_jax.train.defaults import base_config
 
 def get_config(arg=None):
   a = parse_arg(arg, steps=300, warmup=100, batch_size=8, seq_len=512, layers=3, topk=4, block=32, local=1,
-                detach=True)
+                detach=True, selection="per_group")
   c = base_config()
   m = c.model
   m.vocab_size = 8192
@@ -36,6 +39,7 @@ def get_config(arg=None):
   m.index_local_blocks = a.local
   m.warmup_steps = a.warmup
   m.detach_index_input = a.detach
+  m.msa_selection = a.selection
   m.kl_weight = 1.0
 
   c.train.steps = a.steps
