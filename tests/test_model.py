@@ -7,6 +7,7 @@ import pytest
 import jax.numpy as jnp
 from flax import nnx
 
+from m3_jax.models.attention.dense import segment_runs
 from m3_jax.models.config import TextConfig
 from m3_jax.models.layers import apply_rope
 from m3_jax.models.transformer import TextModel
@@ -55,6 +56,23 @@ def test_packed_segments_equal_separate_sequences():
   np.testing.assert_allclose(np.asarray(lp[0, 7:]), np.asarray(lb[0]), atol=1e-5)
   ref = np_forward(np_params(model), cfg, packed[0], pos[0], seg[0])
   np.testing.assert_allclose(np.asarray(lp[0]), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_segment_runs_for_cudnn_packed_layout():
+  """The runs handed to cuDNN's packed layout (dense.segment_runs) against a plain loop over each row: offsets and
+  lengths of every run of equal ids (padding included), -1 past the row's runs; the true count when a row has more
+  runs than fit (the caller then takes the masked route)."""
+  rows = [np.repeat([1, 2, 3, 0], [5, 1, 7, 3]), np.repeat([1, 2], [10, 6]), np.arange(16) + 1]
+  seg = np.stack(rows).astype(np.int32)
+  for M in (4, 16):
+    lengths, offsets, runs = (np.asarray(a) for a in segment_runs(jnp.asarray(seg), M))
+    for b, row in enumerate(seg):
+      starts = [t for t in range(len(row)) if t == 0 or row[t] != row[t - 1]]
+      lens = np.diff(starts + [len(row)]).tolist()
+      assert runs[b] == len(starts)
+      if len(starts) <= M:
+        assert offsets[b].tolist() == starts + [-1] * (M + 1 - len(starts))
+        assert lengths[b].tolist() == lens + [-1] * (M - len(starts))
 
 
 def test_rope_depends_only_on_relative_position():
