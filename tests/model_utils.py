@@ -4,6 +4,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from m3_jax.models.config import TextConfig
+
 
 def randomize(model, seed=0, std=0.3):
   """Non-trivial values everywhere (norm scales, router bias) so every term of the formulas is exercised."""
@@ -24,3 +26,13 @@ def numpy_values(abstract_state, seed=0, std=0.1):
   numpy: no JAX op runs, so nothing is compiled (eager initialisation costs seconds of op compiles per model)."""
   rng = np.random.default_rng(seed)
   return jax.tree.map(lambda x: np.asarray(std * rng.standard_normal(x.shape), x.dtype), abstract_state)
+
+
+def msa_cfg(**kw):
+  """A 2-layer model, layer 1 MSA (block 4, top 2, 1 local): the MSA model tests' shape; kw overrides."""
+  base = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=8, rotary_dim=4, rope_theta=10000.0, dense_intermediate_size=48,
+              layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "dense"],
+              index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2, index_local_blocks=1)
+  base.update(kw)
+  return TextConfig(**base)

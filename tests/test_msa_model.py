@@ -7,19 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from m3_jax.models.config import TextConfig
 from m3_jax.models.transformer import TextModel
 from m3_jax.train.steps import cross_entropy
-from tests.model_utils import randomize
-
-
-def msa_cfg(**kw):
-  base = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, rotary_dim=4, rope_theta=10000.0, dense_intermediate_size=48,
-              layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "dense"],
-              index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2, index_local_blocks=1)
-  base.update(kw)
-  return TextConfig(**base)
+from tests.model_utils import msa_cfg, randomize
 
 
 def ids(t=24, b=2, seed=0, vocab=101):

@@ -17,17 +17,9 @@ from m3_jax.models.attention.msa import MSAAttention, MSADims, shared_index_quer
 from m3_jax.models.attention.msa_diagnostics import block_metrics, group_jaccard, needle_block_selected
 from m3_jax.models.config import TextConfig, msa_token_budget
 from pallas_kernels import msa
+from tests.model_utils import msa_cfg
 from tests.oracles import (Case, assert_attention_matches, assert_close, assert_selection, make_inputs, np_attention,
                            np_kl_shared, np_select_blocks, np_select_from_scores, np_support)
-
-
-def msa_cfg(**kw):
-  base = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, rotary_dim=4, rope_theta=10000.0, dense_intermediate_size=48,
-              layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "dense"],
-              index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2, index_local_blocks=1)
-  base.update(kw)
-  return TextConfig(**base)
 
 
 def shared_oracle_selection(q_idx, k_idx, c: Case):
