@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
@@ -26,6 +28,14 @@ MARKERS = {
 def pytest_configure(config: pytest.Config) -> None:
   for name, meaning in MARKERS.items():
     config.addinivalue_line("markers", f"{name}: {meaning}")
+  # One persistent XLA compilation cache for the session, this process and the trainer / CLI subprocesses the
+  # tests start (they inherit the variable): the same tiny programs are compiled again by many tests (each trainer
+  # run, each resume). Fresh per session and removed after it, so no test ever reads another session's entries.
+  # Set before any test module imports jax; an explicit JAX_COMPILATION_CACHE_DIR is left alone.
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    cache = tempfile.mkdtemp(prefix="m3_jax_test_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 def _cache_root(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config) -> pathlib.Path:
