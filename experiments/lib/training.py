@@ -21,6 +21,7 @@ from m3_jax.models import flops, multimodal
 from m3_jax.train import config_lib, evaluation, trainer
 from m3_jax.train import state as state_lib
 from m3_jax.train.checkpoint import make_checkpointer
+from m3_jax.train.loop import Diverged  # noqa: F401  (what train() raises on a non-finite loss or state)
 from m3_jax.train.optimizer import make_optimizer, wsd_decay_start
 from m3_jax.train.steps import forward, make_train_step, to_global
 
@@ -37,6 +38,11 @@ def prepare_data(config: Config) -> None:
 def train(config: Config, workdir: str) -> None:
   """Trains `config` in `workdir`, resuming from its latest checkpoint (a finished run only evaluates again)."""
   trainer.train_and_evaluate(config, workdir)
+
+
+def export(config: Config, workdir: str) -> str:
+  """--mode=export of `workdir`'s latest checkpoint (to config.export.path, default WORKDIR/export); the path."""
+  return evaluation.export(config, workdir)
 
 
 def trained_steps(config: Config, workdir: str) -> int:

@@ -1,0 +1,121 @@
+"""experiments/long_context (issue 19's MSA study driver) end to end at its tiny CPU size: two arms x one seed train,
+export and evaluate; results.json and report.md hold a verdict line per claim and the numbers of the runs' own
+metrics.jsonl and retrieval evaluations; a second command reuses the finished runs. The verdict rules on
+hand-made tables."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments.long_context import stats
+from m3_jax.data import text_prepare
+from m3_jax.train.metrics import read_metrics
+from tests.train_utils import REPO, license_texts
+
+OVERRIDES = {"data.use_builtin": "false", "data.text_files": "licenses=" + ",".join(license_texts()),
+             "data.vocab_size": "512", "model.vocab_size": "512", "train.seq_len": "144", "train.steps": "4",
+             "train.log_every": "1", "model.msa_metrics_every": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("lc_data"))
+  text_prepare.prepare(d, sources=(), text_files={"licenses": license_texts()}, vocab_size=512, verbose=False)
+  return d
+
+
+def drive(argv: list[str]) -> str:
+  # XLA's LLVM optimisation off (a subprocess: the flag is read when the backend starts): these programs run for
+  # milliseconds but compile for seconds
+  flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  p = subprocess.run([sys.executable, "-m", "experiments.long_context", *argv], cwd=REPO, capture_output=True,
+                     text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  return p.stdout
+
+
+def test_driver_cpu_two_arms_end_to_end(data_dir, tmp_path):
+  sweep = str(tmp_path / "sweep")
+  argv = ["--size=cpu", "--arms=dense,msa_per_group", "--seeds=0", f"--data_dir={data_dir}", f"--sweep_dir={sweep}",
+          "--eval_tasks=passkey", "--lengths=144,288", "--depths=0,1", "--samples=1", "--eval_batch=2",
+          "--prefill_chunk=144", "--loss_length=-1",
+          f"--compilation_cache={os.environ.get('JAX_COMPILATION_CACHE_DIR', 'none')}"]
+  for k, v in OVERRIDES.items():
+    argv += ["--override", f"{k}={v}"]
+  out = drive(argv)
+  assert "[long_context] run 2/2: msa_per_group seed 0" in out
+
+  with open(os.path.join(sweep, "results.json")) as f:
+    res = json.load(f)
+  with open(os.path.join(sweep, "report.md")) as f:
+    report = f.read()
+  assert sorted(res["runs"]) == ["dense/s0", "msa_per_group/s0"]
+  for arm in ("dense", "msa_per_group"):
+    work = os.path.join(sweep, f"{arm}_s0")
+    rows = read_metrics(work)
+    last_eval = max((r for r in rows if "eval/mean_loss" in r), key=lambda r: r["step"])
+    got = res["summary"][arm]["loss"]
+    assert got["mean"] == pytest.approx(last_eval["eval/mean_loss"], rel=1e-6) and got["std"] is None
+    assert f"| {arm} | {got['mean']:.4f} (n=1) |" in report
+    with open(os.path.join(work, "long_eval", "results.json")) as f:
+      ev = json.load(f)
+    for n in (144, 288):
+      acc = [c["accuracy"] for c in ev["tasks"]["passkey"]["cells"] if c["length"] == n]
+      assert res["summary"][arm][f"acc@{n}"]["mean"] == pytest.approx(sum(acc) / len(acc))
+    assert [s for s, _ in res["runs"][f"{arm}/s0"]["loss_curve"]] == [1, 2, 3, 4]
+  # the diagnostics are the mean of the last 3 logged values of the MSA layer (layer 1)
+  jac = [v for r in read_metrics(os.path.join(sweep, "msa_per_group_s0"))
+         if (v := r.get("msa/layer1/group_jaccard")) is not None]
+  assert jac and res["summary"]["msa_per_group"]["jaccard"]["mean"] == pytest.approx(sum(jac[-3:]) / len(jac[-3:]))
+  assert "jaccard" not in res["summary"]["dense"]
+
+  assert res["verdict"] and all(line in report for line in res["verdict"])
+  for claim in "abcd":
+    assert any(line.startswith(f"- ({claim}) **") for line in res["verdict"]), claim
+  # (c) from these runs' numbers, one seed; (a), (b), (d) lack their arms and say so
+  c = next(line for line in res["verdict"] if line.startswith("- (c) **") and "MSA from scratch" in line)
+  s = res["summary"]
+  assert "(1 seed: indicative only)" in c
+  assert f"loss msa_per_group {s['msa_per_group']['loss']['mean']:.4f} vs dense {s['dense']['loss']['mean']:.4f}" in c
+  assert any(line.startswith("- (a) **NOT TESTED**") and "msa_shared" in line for line in res["verdict"])
+  assert any(line.startswith("- (d) **NOT TESTED**") and "msa_no_detach" in line for line in res["verdict"])
+  for p in ("loss_curves.png", "accuracy.png"):
+    with open(os.path.join(sweep, p), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+  # the sweep resumes: finished runs are reused, nothing trains again, the report keeps the same numbers
+  out = drive(argv)
+  assert out.count("finished before, reused") == 2 and "step 1/4" not in out
+  with open(os.path.join(sweep, "results.json")) as f:
+    assert json.load(f)["summary"] == res["summary"]
+
+
+def test_verdict_from_numbers():
+  """Two seeds per arm: a difference above 2x spread counts, one below does not; one seed is flagged."""
+  def run(loss, jac, acc, diverged=False):
+    return {"eval": {"mean": loss, "loss": {"t": loss}}, "diverged": diverged, "accuracy": {"passkey": {"8": acc}},
+            "msa": {"group_jaccard": {"1": jac}} if jac is not None else {}}
+  runs = {"dense": {0: run(2.0, None, 0.5), 1: run(2.02, None, 0.5)},
+          "msa_per_group": {0: run(2.01, 0.3, 0.5), 1: run(2.03, 0.32, 0.5)},
+          "msa_shared": {0: run(2.5, 1.0, 0.5), 1: run(2.52, 1.0, 0.5)},
+          # a diverged run has no held-out loss and no retrieval (sweep.run_arm records it without evaluating)
+          "msa_no_detach": {0: {"eval": {"mean": None, "loss": {}}, "diverged": True, "accuracy": {}, "msa": {}}}}
+  s = stats.summarize(runs, 8)
+  floors = stats.noise_floors(s, 10)
+  assert floors["loss"] == pytest.approx(s["dense"]["loss"]["std"]) and floors["acc@8"] == pytest.approx(0.1)
+  lines = stats.verdict(s, floors, 8, [8])
+  a, b, c, d = (next(x for x in lines if x.startswith(f"- ({k})")) for k in "abcd")
+  assert "REPRODUCES: per-group is more diverse and better" in a and "indicative" not in a
+  assert b.startswith("- (b) **NOT TESTED**")
+  assert "REPRODUCES: MSA from scratch matches dense" in c
+  assert "REPRODUCES: training without the detach diverged" in d and "1 seed: indicative only" in d
+  assert "diverged in 1 of 1 seeds" in d
+
+  # a loss difference below the dense arm's seed spread is no difference
+  runs["msa_shared"] = {0: run(2.015, 1.0, 0.5), 1: run(2.035, 1.0, 0.5)}
+  s = stats.summarize(runs, 8)
+  a = stats.verdict(s, stats.noise_floors(s, 10), 8, [8])[0]
+  assert "PARTLY: per-group is more diverse, quality the same within the threshold" in a
