@@ -22,6 +22,7 @@ MLP_DENSE = "dense"
 MLP_MOE = "sparse"
 MLP_LAYER_TYPES = (MLP_DENSE, MLP_MOE)
 MOE_IMPLS = ("ragged", "dense", "capacity", "expert_parallel")
+GROUPED_MATMUL_IMPLS = ("xla", "mosaic", "tokamax")
 # With remat: "full" recomputes the whole layer in the backward; "save_selection" keeps each MSA layer's block
 # selection (int32 [B, Hkv, T, topk]) from the forward, so the recompute skips the index scoring and the top-k.
 REMAT_POLICIES = ("full", "save_selection")
@@ -89,6 +90,10 @@ class TextConfig:
   # capacity_factor * N * k / E tokens per batch (GShard-style buffers that shard over `expert`); assignments past
   # that are dropped. ragged, dense and expert_parallel never drop.
   capacity_factor: float = 1.25
+  # The grouped matmuls of the dropless paths (ragged, expert_parallel): "xla" (jax.lax.ragged_dot, any backend;
+  # on GPUs its backward needs per-expert temporaries), "mosaic" (Hopper kernels shipped with JAX, our VJP) or
+  # "tokamax" (optional package). See pallas_kernels/grouped_matmul.
+  grouped_matmul_impl: str = "xla"
   # Load balancing, either way or both: `router_aux_loss_coef` x the balance loss in the train loss (HF's field, the
   # one place its coefficient lives), and aux-loss-free balancing (ours; how M3 and DeepSeek-V3 train): after each
   # optimizer step every MoE layer's e_score_correction_bias moves by router_bias_update_rate x sign(mean load -
@@ -148,6 +153,8 @@ class TextConfig:
       bad(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     if self.moe_impl not in MOE_IMPLS:
       bad(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
+    if self.grouped_matmul_impl not in GROUPED_MATMUL_IMPLS:
+      bad(f"grouped_matmul_impl={self.grouped_matmul_impl!r}; expected one of {GROUPED_MATMUL_IMPLS}")
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
     if self.router_bias_update_rate < 0:

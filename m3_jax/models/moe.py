@@ -1,11 +1,12 @@
 """M3 mixture-of-experts block: sigmoid router with a choice-only bias, top-k renormalised weights times
 `routed_scaling_factor`, SwiGLU-OAI experts, one always-on shared expert.
 
-Two expert implementations compute the same function: `ragged` (tokens sorted by expert, grouped matmuls with
-`jax.lax.ragged_dot`: dropless, no capacity factor, FLOPs of the chosen experts only) and `dense` (every expert on
-every token, weighted by the sparse combine matrix: simple, used as a reference in tests). A third, `capacity`,
-drops assignments past a per-expert capacity: fixed [E, C, d] buffers, plain batched matmuls that shard over
-`expert`, and a bounded memory footprint on GPUs, where ragged_dot's backward materialises per-group temporaries.
+Two expert implementations compute the same function: `ragged` (tokens sorted by expert, grouped matmuls from
+`pallas_kernels.grouped_matmul`: XLA's ragged_dot, or Hopper kernels with `grouped_matmul_impl="mosaic"`, whose
+memory does not grow with the number of experts as XLA's GPU backward does; dropless, no capacity factor, FLOPs of
+the chosen experts only) and `dense` (every expert on every token, weighted by the sparse combine matrix: simple,
+used as a reference in tests). A third, `capacity`, drops assignments past a per-expert capacity: fixed [E, C, d]
+buffers, plain batched matmuls that shard over `expert`, a bounded footprint, but not HF's function.
 A fourth, `expert_parallel` (models/moe_parallel.py), is `ragged`'s function with the experts split over the
 `expert` mesh axis and the token slots exchanged by all-to-all; without an `expert` axis it is `ragged`.
 """
@@ -39,6 +40,7 @@ class MoEDims:
   alpha: float
   limit: float
   capacity_factor: float = 1.25
+  matmul_impl: str = "xla"  # pallas_kernels.grouped_matmul implementation of the dropless paths
 
   @classmethod
   def from_config(cls, cfg) -> "MoEDims":
@@ -46,7 +48,7 @@ class MoEDims:
     return cls(d_model=cfg.hidden_size, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
                intermediate=cfg.intermediate_size, shared_intermediate=cfg.shared_intermediate_size,
                routed_scaling_factor=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-               capacity_factor=cfg.capacity_factor)
+               capacity_factor=cfg.capacity_factor, matmul_impl=cfg.grouped_matmul_impl)
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float):
@@ -106,19 +108,16 @@ class MoE(nnx.Module):
   def _experts_ragged(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """x: [N, d]; w, idx: [N, k] -> [N, d]."""
     n, k = idx.shape
-    e, dm, i = self.dims.num_experts, self.dims.d_model, self.dims.intermediate
+    e = self.dims.num_experts
     flat = idx.reshape(-1)  # [N*k]
     order = jnp.argsort(flat, stable=True)
     token = order // k  # which token each sorted slot belongs to
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    xs = x[token]  # [N*k, d]
-    gu = jax.lax.ragged_dot(xs, self.gate_up[...].astype(self.dtype).reshape(e, dm, 2 * i), group_sizes,
-                            preferred_element_type=jnp.float32)  # [N*k, 2I]
-    h = swiglu_oai(gu[:, :i], gu[:, i:], alpha=self.dims.alpha, limit=self.dims.limit).astype(self.dtype)
-    y = jax.lax.ragged_dot(h, self.down[...].astype(self.dtype), group_sizes,
-                           preferred_element_type=jnp.float32)  # [N*k, d]
+    y = moe_parallel.grouped_swiglu(x[token], group_sizes, self.gate_up[...].astype(self.dtype),
+                                    self.down[...].astype(self.dtype), alpha=self.dims.alpha,
+                                    limit=self.dims.limit, matmul_impl=self.dims.matmul_impl)  # [N*k, d] f32
     y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((n, dm), jnp.float32).at[token].add(y)
+    return jnp.zeros((n, self.dims.d_model), jnp.float32).at[token].add(y)
 
   def _experts_expert_parallel(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """x: [N, d]; w, idx: [N, k] -> [N, d] f32."""
@@ -126,7 +125,7 @@ class MoE(nnx.Module):
       return self._experts_ragged(x, w, idx)
     return moe_parallel.experts_all_to_all(x, w, idx, self.gate_up[...].astype(self.dtype),
                                            self.down[...].astype(self.dtype), alpha=self.dims.alpha,
-                                           limit=self.dims.limit)
+                                           limit=self.dims.limit, matmul_impl=self.dims.matmul_impl)
 
   def _experts_dense(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     e = self.dims.num_experts

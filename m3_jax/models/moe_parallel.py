@@ -11,7 +11,7 @@ shard_map boundary (FSDP's gather; its transpose is the gradient's reduce-scatte
      shard (each token's k distinct experts all on that shard), so nothing is ever dropped: the buffers trade up to
      ep x the balanced size for an exact, HF-equal function whatever the routing;
   2. all-to-all over `expert`: each shard receives the slots for its experts from every shard;
-  3. grouped matmuls over the local experts (`ragged_dot`); empty buffer rows are zeros, which every expert maps
+  3. grouped matmuls over the local experts (`grouped_swiglu`); empty buffer rows are zeros, which every expert maps
      to zero outputs and zero weight gradients, so they need no mask;
   4. all-to-all back, each slot's output weighted and summed into its token; a psum over `tensor` completes the
      down projection, whose contraction dim is split there.
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from m3_jax.core import sharding
 from m3_jax.models.layers import swiglu_oai
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 # The mesh axes the expert weights are split over (the logical table is the one place that names them).
 EXPERT_AXIS = sharding.LOGICAL_RULES["exp"]
@@ -56,19 +57,21 @@ def check_divisible(num_experts: int, intermediate: int, num_tokens: int) -> Non
                      f"{dict(mesh.shape)})")
 
 
-def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, alpha: float,
-                    limit: float) -> jax.Array:
-  """xs: [M, d] rows sorted by local expert; group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc];
-  down: [E_loc, I_loc, d] -> [M, d] f32 (this device's part of the down projection when I is split)."""
+def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, alpha: float,
+                   limit: float, matmul_impl: str = "xla") -> jax.Array:
+  """xs: [M, d] rows sorted by (local) expert; group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc];
+  down: [E_loc, I_loc, d] -> [M, d] f32 (this device's part of the down projection when I is split).
+  matmul_impl: pallas_kernels.grouped_matmul's implementation (xla everywhere; mosaic/tokamax on Hopper)."""
   e, dm, _, i = gate_up.shape
-  gu = jax.lax.ragged_dot(xs, gate_up.reshape(e, dm, 2 * i), group_sizes,
-                          preferred_element_type=jnp.float32)  # [M, 2 I_loc]
+  gu = grouped_matmul(xs, gate_up.reshape(e, dm, 2 * i), group_sizes, implementation=matmul_impl,
+                      preferred_element_type=jnp.float32)  # [M, 2 I_loc]
   h = swiglu_oai(gu[:, :i], gu[:, i:], alpha=alpha, limit=limit).astype(xs.dtype)  # [M, I_loc]
-  return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)  # [M, d]
+  return grouped_matmul(h, down, group_sizes, implementation=matmul_impl,
+                        preferred_element_type=jnp.float32)  # [M, d]
 
 
 def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, *,
-                       alpha: float, limit: float) -> jax.Array:
+                       alpha: float, limit: float, matmul_impl: str = "xla") -> jax.Array:
   """The routed experts' output, expert-parallel over the current mesh (set with `jax.set_mesh`).
 
   x: [N, d] tokens; w, idx: [N, k] combine weights (f32) and global expert ids; gate_up: [E, d, 2, I];
@@ -97,7 +100,8 @@ def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.
     key = jnp.where(ids < 0, e_loc - 1, ids)  # empty (zero) rows join the last group: zero in, zero out
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]
-    y_sorted = _grouped_swiglu(rows[order], group_sizes, gate_up, down, alpha=alpha, limit=limit)  # [M, d]
+    y_sorted = grouped_swiglu(rows[order], group_sizes, gate_up, down, alpha=alpha, limit=limit,
+                              matmul_impl=matmul_impl)  # [M, d]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # back to the received order
     back = jax.lax.all_to_all(y.reshape(ep, cap, dm), EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: my slots
     got = back[dest, pos] * w.reshape(-1)[:, None]  # [n k, d]
