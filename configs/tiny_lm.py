@@ -19,7 +19,7 @@ BALANCE = ("loss", "aux_free", "both", "none")
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, moe=True, steps=300, batch_size=16, seq_len=256, layers=4, balance="loss", bias_rate=0.01,
+  a = parse_arg(arg, moe=True, steps=300, batch_size=16, seq_len=256, layers=4, balance="loss", bias_rate=0.003,
                 seed=0)
   if a.balance not in BALANCE:
     raise ValueError(f"tiny_lm: balance={a.balance!r}; expected one of {BALANCE}")

@@ -225,7 +225,7 @@ def main() -> None:
   add_cache_flag(ap, shared="the seeds of a setting share every program")
   ap.add_argument("--settings", default=",".join(SETTINGS))
   ap.add_argument("--seeds", default="0,1,2")
-  ap.add_argument("--bias_rate", type=float, default=0.01, help="aux_free: bias step per train step")
+  ap.add_argument("--bias_rate", type=float, default=0.003, help="aux_free: bias step per train step")
   ap.add_argument("--window", type=int, default=100, help="the last WINDOW steps are summarised")
   ap.add_argument("--report_only", action="store_true")
   ap.add_argument("--note", default="")
