@@ -1,6 +1,7 @@
 """experiments/long_context (issue 19's MSA study driver) end to end at its tiny CPU size: two arms x one seed train,
 export and evaluate; results.json and report.md hold a verdict line per claim and the numbers of the runs' own
-metrics.jsonl and retrieval evaluations; a second command reuses the finished runs. The verdict rules on
+metrics.jsonl and retrieval evaluations; the runs are made by two shard processes at once and a third command reuses
+them. The verdict rules on
 hand-made tables."""
 
 import json
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from experiments.long_context import __main__ as main_module
 from experiments.long_context import stats
 from m3_jax.data import text_prepare
 from m3_jax.train.metrics import read_metrics
@@ -27,14 +29,23 @@ def data_dir(tmp_path_factory):
   return d
 
 
-def drive(argv: list[str]) -> str:
+def start(argv: list[str]) -> subprocess.Popen:
   # XLA's LLVM optimisation off (a subprocess: the flag is read when the backend starts): these programs run for
   # milliseconds but compile for seconds
   flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-  p = subprocess.run([sys.executable, "-m", "experiments.long_context", *argv], cwd=REPO, capture_output=True,
-                     text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
-  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-  return p.stdout
+  return subprocess.Popen([sys.executable, "-m", "experiments.long_context", *argv], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+
+
+def finish(p: subprocess.Popen) -> str:
+  out, err = p.communicate(timeout=180)
+  assert p.returncode == 0, out[-3000:] + err[-3000:]
+  return out
+
+
+def drive(argv: list[str]) -> str:
+  return finish(start(argv))
 
 
 def test_driver_cpu_two_arms_end_to_end(data_dir, tmp_path):
@@ -45,8 +56,13 @@ def test_driver_cpu_two_arms_end_to_end(data_dir, tmp_path):
           f"--compilation_cache={os.environ.get('JAX_COMPILATION_CACHE_DIR', 'none')}"]
   for k, v in OVERRIDES.items():
     argv += ["--override", f"{k}={v}"]
+  # two shards at once (as on one GPU), each one arm; then the whole sweep reuses both runs and writes the report
+  shards = [start(argv + [f"--shard={i}/2"]) for i in range(2)]
+  outs = [finish(p) for p in shards]
+  assert "run 1/1: dense seed 0" in outs[0] and "run 1/1: msa_per_group seed 0" in outs[1]
+  assert "--report_only writes the report" in outs[0] and not os.path.exists(os.path.join(sweep, "report.md"))
   out = drive(argv)
-  assert "[long_context] run 2/2: msa_per_group seed 0" in out
+  assert out.count("finished before, reused") == 2
 
   with open(os.path.join(sweep, "results.json")) as f:
     res = json.load(f)
@@ -86,11 +102,12 @@ def test_driver_cpu_two_arms_end_to_end(data_dir, tmp_path):
     with open(os.path.join(sweep, p), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
-  # the sweep resumes: finished runs are reused, nothing trains again, the report keeps the same numbers
-  out = drive(argv)
-  assert out.count("finished before, reused") == 2 and "step 1/4" not in out
+  # the report alone reads the same finished runs again: the same numbers
+  drive(argv + ["--report_only"])
   with open(os.path.join(sweep, "results.json")) as f:
     assert json.load(f)["summary"] == res["summary"]
+  with pytest.raises(SystemExit, match="expected I/N"):
+    main_module.parse_shard("1of2")
 
 
 def test_verdict_from_numbers():

@@ -22,10 +22,12 @@ def workdir(sweep_dir: str, setting: str, seed: int | None) -> str:
 
 
 def write_json(path: str, obj, **kw) -> None:
-  """Writes `obj` to `path` through a temporary file, so a reader never sees half a file."""
-  with open(path + ".tmp", "w") as f:
+  """Writes `obj` to `path` through a temporary file, so a reader never sees half a file (one per process: shards
+  of a sweep rewrite the same results file)."""
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
     json.dump(obj, f, **kw)
-  os.replace(path + ".tmp", path)
+  os.replace(tmp, path)
 
 
 def stop_if_cut_short(trained: int, steps: int, *, tag: str, what: str, work: str) -> None:

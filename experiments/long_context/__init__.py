@@ -3,6 +3,9 @@ r"""Issue 19's MSA fidelity study: arms of configs/small_msa.py x seeds, retriev
   # GPU box (H200): every arm, 3 seeds for dense / msa_per_group / msa_shared and 1 for the rest, resumable
   python -m experiments.long_context --size=gpu --data_dir=data_long --sweep_dir=workdirs/long_context \
       --tasks=passkey,single_key,kv --task_share=0.1
+  # the same on one GPU by 4 processes at once (each a quarter of the runs), then the report
+  for i in 0 1 2 3; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.23 python -m experiments.long_context --size=gpu \
+      --data_dir=data_long --sweep_dir=workdirs/long_context --task_share=0.1 --shard=$i/4 & done; wait
   # only the report of the finished runs
   python -m experiments.long_context --size=gpu --sweep_dir=workdirs/long_context --report_only
   # a tiny CPU version (2 layers, width 64, 256 tokens; what the test runs with 2 arms, 1 seed, a few steps)

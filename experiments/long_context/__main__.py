@@ -33,9 +33,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="dense_to_msa: indexer warmup as a share of the MSA phase's steps")
   add_config_flags(ap, "long_context", config_arg_example="loss_chunk=4096")
   ap.add_argument("--report_only", action="store_true", help="only read finished runs and write the report")
+  ap.add_argument("--shard", default="0/1", help="I/N: run only every N-th (arm, seed) from the I-th, so N processes "
+                  "share one GPU (each with XLA_PYTHON_CLIENT_MEM_FRACTION < 1/N); then --report_only once")
   ap.add_argument("--note", default="", help="a sentence for the report on how the runs were made")
   add_cache_flag(ap, shared="the MSA arms of one granularity share their programs")
   return ap.parse_args(argv)
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+  try:
+    i, n = (int(x) for x in spec.split("/"))
+  except ValueError:
+    raise SystemExit(f"--shard={spec!r}: expected I/N with integers, e.g. 0/4") from None
+  if not 0 <= i < n:
+    raise SystemExit(f"--shard={spec!r}: expected 0 <= I < N")
+  return i, n
 
 
 def write_outputs(a: argparse.Namespace, arms: list[str], sweep_dir: str, meta: dict) -> dict:
@@ -55,6 +67,7 @@ def write_outputs(a: argparse.Namespace, arms: list[str], sweep_dir: str, meta: 
 def main(argv=None):
   a = parse_args(argv)
   arms = [s.strip() for s in a.arms.split(",") if s.strip()]
+  shard = parse_shard(a.shard)
   for arm in arms:
     sweep.make_config(a.size, arm, 0, steps=a.steps, data_dir=a.data_dir, overrides=[])  # names checked first
   sweep_dir = os.path.abspath(a.sweep_dir)
@@ -64,8 +77,12 @@ def main(argv=None):
   t0 = time.time()
   if not a.report_only:
     training.prepare_data(sweep.arm_config(a, arms[0], 0))
-    sweep.run_all(a, arms, sweep_dir, meta)
+    sweep.run_all(a, arms, sweep_dir, meta, shard=shard)
   meta["wall_s_this_command"] = time.time() - t0
+  if shard[1] > 1 and not a.report_only:
+    print(f"[long_context] shard {shard[0]}/{shard[1]} done; once every shard has finished, the same command with "
+          "--report_only writes the report", flush=True)
+    return sweep.load_runs(sweep_dir, arms, a.seeds, meta["steps"])
   return write_outputs(a, arms, sweep_dir, meta)
 
 

@@ -150,11 +150,13 @@ def load_runs(sweep_dir: str, arms: list[str], seeds: str, steps: int) -> dict[s
   return lib_sweep.load_finished(sweep_dir, arms, all_seeds, tag=TAG, steps=steps)
 
 
-def run_all(a: argparse.Namespace, arms: list[str], sweep_dir: str, meta: dict) -> None:
+def run_all(a: argparse.Namespace, arms: list[str], sweep_dir: str, meta: dict,
+            shard: tuple[int, int] = (0, 1)) -> None:
+  """Runs the (arm, seed) pairs of this shard: every shard[1]-th pair of `todo` from the shard[0]-th."""
   def rewrite_results() -> None:
     report.write_results(sweep_dir, load_runs(sweep_dir, arms, a.seeds, meta["steps"]), meta)
 
-  lib_sweep.run_sweep(todo(arms, a.seeds), sweep_dir, lambda arm, seed, work: run_arm(a, arm, seed, work), tag=TAG,
+  lib_sweep.run_sweep(todo(arms, a.seeds)[shard[0]::shard[1]], sweep_dir, lambda arm, seed, work: run_arm(a, arm, seed, work), tag=TAG,
                       after_each=rewrite_results)
 
 
