@@ -99,6 +99,10 @@ class TextConfig:
   param_dtype: str = "float32"
   remat: bool = False
   remat_policy: str = "full"  # one of REMAT_POLICIES (used when remat is True)
+  # Consecutive layers of one (layer type, MLP type) run as one `jax.lax.scan` over their parameters stacked on a
+  # leading layer axis (models/transformer.py LayerStack): compile time stops growing with depth. The state layout
+  # changes (`layers/<run>/layer/...` with a leading axis); HF checkpoints map to it either way (interop/hf.py).
+  scan_layers: bool = False
 
   def __post_init__(self):
     # Lists from JSON/ml_collections become tuples so the config stays hashable (it is a jit static argument).
@@ -150,6 +154,8 @@ class TextConfig:
       bad(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
+    if not isinstance(self.scan_layers, bool):
+      bad(f"scan_layers={self.scan_layers!r} must be True or False")
     if self.router_bias_update_rate < 0:
       bad(f"router_bias_update_rate={self.router_bias_update_rate} must be >= 0 (0: no aux-loss-free balancing)")
     if self.router_aux_loss_coef < 0:
