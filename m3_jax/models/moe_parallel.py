@@ -11,8 +11,9 @@ shard_map boundary (FSDP's gather; its transpose is the gradient's reduce-scatte
      shard (each token's k distinct experts all on that shard), so nothing is ever dropped: the buffers trade up to
      ep x the balanced size for an exact, HF-equal function whatever the routing;
   2. all-to-all over `expert`: each shard receives the slots for its experts from every shard;
-  3. grouped matmuls over the local experts (`ragged_dot`); empty buffer rows are zeros, which every expert maps
-     to zero outputs and zero weight gradients, so they need no mask;
+  3. grouped matmuls over the local experts (models/grouped_matmul.py: tiles of one expert each, scanned, so
+     neither pass materialises a copy of the rows per expert, as `ragged_dot` does on CPU and in its GPU
+     backward); the empty buffer rows are sorted past the last expert's and skipped;
   4. all-to-all back, each slot's output weighted and summed into its token; a psum over `tensor` completes the
      down projection, whose contraction dim is split there.
 
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from m3_jax.core import sharding
+from m3_jax.models.grouped_matmul import grouped_matmul
 from m3_jax.models.layers import swiglu_oai
 
 # The mesh axes the expert weights are split over (the logical table is the one place that names them).
@@ -58,13 +60,13 @@ def check_divisible(num_experts: int, intermediate: int, num_tokens: int) -> Non
 
 def _grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, alpha: float,
                     limit: float) -> jax.Array:
-  """xs: [M, d] rows sorted by local expert; group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc];
-  down: [E_loc, I_loc, d] -> [M, d] f32 (this device's part of the down projection when I is split)."""
+  """xs: [M, d] rows sorted by local expert (rows past the last expert's are ignored: zero rows out);
+  group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc]; down: [E_loc, I_loc, d] -> [M, d] f32 (this device's
+  part of the down projection when I is split)."""
   e, dm, _, i = gate_up.shape
-  gu = jax.lax.ragged_dot(xs, gate_up.reshape(e, dm, 2 * i), group_sizes,
-                          preferred_element_type=jnp.float32)  # [M, 2 I_loc]
+  gu = grouped_matmul(xs, gate_up.reshape(e, dm, 2 * i), group_sizes)  # [M, 2 I_loc] f32
   h = swiglu_oai(gu[:, :i], gu[:, i:], alpha=alpha, limit=limit).astype(xs.dtype)  # [M, I_loc]
-  return jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)  # [M, d]
+  return grouped_matmul(h, down, group_sizes)  # [M, d] f32
 
 
 def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, *,
@@ -94,9 +96,9 @@ def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.
     recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: block j from shard j
     recv_id = jax.lax.all_to_all(send_id, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C]
     rows, ids = recv.reshape(ep * cap, dm), recv_id.reshape(ep * cap)  # [M, d], [M]
-    key = jnp.where(ids < 0, e_loc - 1, ids)  # empty (zero) rows join the last group: zero in, zero out
+    key = jnp.where(ids < 0, e_loc, ids)  # empty rows sort past the last expert: no group, never multiplied
     order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]
+    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]; bincount drops key e_loc
     y_sorted = _grouped_swiglu(rows[order], group_sizes, gate_up, down, alpha=alpha, limit=limit)  # [M, d]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # back to the received order
     back = jax.lax.all_to_all(y.reshape(ep, cap, dm), EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: my slots
