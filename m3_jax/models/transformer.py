@@ -66,6 +66,17 @@ def layer_locations(cfg: TextConfig) -> list[tuple[tuple, int | None]]:
   return out
 
 
+def per_layer_keys(cfg: TextConfig, key: tuple) -> list[tuple[tuple, int | None]]:
+  """A flat state key of the model `cfg` builds -> [(the unscanned model's key, row of the leading layer axis or
+  None)]: one entry per layer a stacked variable holds, the key itself for everything else."""
+  if not cfg.scan_layers or key[:1] != ("layers",):
+    return [(key, None)]
+  first, n = layer_runs(cfg.layer_types, cfg.mlp_layer_types)[key[1]]
+  if n == 1:
+    return [(("layers", first) + key[2:], None)]
+  return [(("layers", first + j) + key[3:], j) for j in range(n)]  # key[2] is the stack's "layer"
+
+
 def _stack_variables(*vs: nnx.Variable) -> nnx.Variable:
   """Equal-shaped Variables of consecutive layers -> one Variable [L, ...], its logical axes behind "layers"."""
   axes = vs[0].get_metadata().get("logical_axes")
