@@ -26,6 +26,9 @@ from m3_jax.models.layers import DenseMLP, RMSNorm, param
 from m3_jax.models.moe import MoE, MoEDims
 
 
+# The logical name of a scanned stack's leading layer axis (core/sharding.py maps it to no mesh axis).
+LAYER_AXIS = "layers"
+
 # TextConfig.remat_policy -> jax.checkpoint policy (None: save nothing, recompute the whole layer).
 _REMAT_POLICIES = {"full": None, "save_selection": jax.checkpoint_policies.save_only_these_names(SELECTION_NAME)}
 
@@ -78,9 +81,9 @@ def per_layer_keys(cfg: TextConfig, key: tuple) -> list[tuple[tuple, int | None]
 
 
 def _stack_variables(*vs: nnx.Variable) -> nnx.Variable:
-  """Equal-shaped Variables of consecutive layers -> one Variable [L, ...], its logical axes behind "layers"."""
+  """Equal-shaped Variables of consecutive layers -> one Variable [L, ...], its logical axes behind LAYER_AXIS."""
   axes = vs[0].get_metadata().get("logical_axes")
-  meta = {} if axes is None else {"logical_axes": ("layers",) + tuple(axes)}
+  meta = {} if axes is None else {"logical_axes": (LAYER_AXIS,) + tuple(axes)}
   return vs[0].replace(jnp.stack([v.get_value() for v in vs]), **meta)
 
 
@@ -167,12 +170,16 @@ def _stack_arrays(*xs):
 
 def unstack_layers(pure: dict, cfg: TextConfig) -> dict:
   """A pure-dict state (`nnx.to_pure_dict`) of the model `cfg` builds -> the unscanned model's layout (`layers`
-  keyed by layer index; stacked rows sliced out). Unscanned configs come back as they are. Exact: slices only."""
-  if not cfg.scan_layers:
+  keyed by layer index; stacked rows sliced out). Unscanned configs come back as they are. Exact: slices only.
+  A partial state (e.g. the router biases alone) keeps the layers it has."""
+  if not cfg.scan_layers or "layers" not in pure:
     return pure
   per_layer = {}
   for i, (path, row) in enumerate(layer_locations(cfg)):
-    sub = _get(pure, path)
+    try:
+      sub = _get(pure, path)
+    except KeyError:
+      continue
     per_layer[i] = sub if row is None else jax.tree.map(lambda a, r=row: a[r], sub)
   return {**pure, "layers": per_layer}
 
@@ -180,14 +187,17 @@ def unstack_layers(pure: dict, cfg: TextConfig) -> dict:
 def stack_layers(pure: dict, cfg: TextConfig) -> dict:
   """The inverse of `unstack_layers`: an unscanned model's pure-dict state -> the layout of the model `cfg` builds
   (each run's layers stacked on a new leading axis). Exact: numpy stays numpy, values are only copied."""
-  if not cfg.scan_layers:
+  if not cfg.scan_layers or "layers" not in pure:
     return pure
   layers, src = {}, pure["layers"]
   for r, (first, n) in enumerate(layer_runs(cfg.layer_types, cfg.mlp_layer_types)):
-    if n == 1:
-      layers[r] = src[first]
-    else:
-      layers[r] = {"layer": jax.tree.map(_stack_arrays, *[src[first + j] for j in range(n)])}
+    have = [first + j in src for j in range(n)]
+    if not any(have):  # a partial state without this run
+      continue
+    if not all(have):
+      raise ValueError(f"stack_layers: layers {first}..{first + n - 1} form one stack, but the state has only "
+                       f"{[first + j for j in range(n) if have[j]]} of them")
+    layers[r] = src[first] if n == 1 else {"layer": jax.tree.map(_stack_arrays, *[src[first + j] for j in range(n)])}
   return {**pure, "layers": layers}
 
 
