@@ -11,7 +11,7 @@ from flax import nnx
 from m3_jax.models.config import TextConfig
 from m3_jax.models.moe import balance_bias_step
 from m3_jax.train.state import TrainState, abstract_model
-from m3_jax.train.steps import cross_entropy, forward, make_train_step
+from m3_jax.train.steps import cross_entropy, forward, make_train_step, optimizer_step
 from tests.model_utils import numpy_values
 
 LR = 1e-2
@@ -81,8 +81,8 @@ def setup():
       return ce + 0.01 * aux["moe_aux_loss"] + 1.0 * aux["kl_loss"], (ce, aux["expert_load"])
 
     (_, (ce, load)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, ce, load
+    params, opt_state, _ = optimizer_step(tx, grads, opt_state, params)  # the trainer's own update application
+    return params, opt_state, ce, load
 
   return cfg, state, balanced_step, plain_step
 

@@ -41,6 +41,9 @@ LOGICAL_RULES: dict[str, Any] = {
     "norm": None,
     "index_heads": "tensor",
     "index_dim": None,
+    # the leading axis of a scanned layer stack's parameters (TextConfig.scan_layers): every device holds every
+    # layer's shard, as it does unscanned; splitting it would make each scan step gather its layer
+    "layers": None,
 }
 
 

@@ -27,6 +27,7 @@ memory-mapped file, so no host ever holds the whole model (and, in the hf layout
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from m3_jax.models.attention.msa import MSAAttention
 from m3_jax.models.config import MLP_DENSE, TextConfig, VLConfig
 from m3_jax.models.hf_config import hf_config_dict, resolve_text_config
 from m3_jax.models.multimodal import VLModel
-from m3_jax.models.transformer import TextModel
+from m3_jax.models.transformer import TextModel, layer_locations
 
 # Keys HF itself drops on load (multi-token-prediction heads are not part of the causal LM).
 IGNORED = (re.compile(r"(^|\.)mtp\."),)
@@ -141,16 +142,19 @@ def _mlp_rules(cfg: TextConfig, mlp_type: str, p: str, L: tuple) -> list[Rule]:
 
 
 def rules(cfg: TextConfig) -> list[Rule]:
-  """One rule per tensor of the text model, in canonical (`hf` layout) names."""
+  """One rule per tensor of the text model, in canonical (`hf` layout) names. HF names are per layer in either of
+  our layouts: a layer of a scanned stack (cfg.scan_layers) is row `Rule.row` of the stack's tensor."""
   d, v = cfg.hidden_size, cfg.vocab_size
   out = [_rule(("embed_tokens",), "model.embed_tokens.weight", (v, d), same()),
          _rule(("norm", "weight"), "model.norm.weight", (d,), same()),
          _rule(("lm_head",), "lm_head.weight", (v, d), transpose_last2())]
+  locations = layer_locations(cfg)
   for li, (lt, mt) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types)):
-    p, L = f"model.layers.{li}.", ("layers", li)
-    out += [_rule(L + ("input_layernorm", "weight"), p + "input_layernorm.weight", (d,), same()),
-            _rule(L + ("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", (d,), same())]
-    out += _attention_rules(cfg, lt, p, L) + _mlp_rules(cfg, mt, p, L)
+    p, (L, row) = f"model.layers.{li}.", locations[li]
+    layer = [_rule(L + ("input_layernorm", "weight"), p + "input_layernorm.weight", (d,), same()),
+             _rule(L + ("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", (d,), same())]
+    layer += _attention_rules(cfg, lt, p, L) + _mlp_rules(cfg, mt, p, L)
+    out += [dataclasses.replace(r, row=row) for r in layer]
   return out
 
 
@@ -237,16 +241,21 @@ def detect_layout(names: Sequence[str]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PlanEntry:
+  """One HF tensor's target. For a layer of a scanned stack (`rule.row` set) shape, logical_axes and sharding are
+  the layer's own (the stack's without its leading layer axis); target_shape / target_sharding are the stack's."""
   rule: Rule
   source: Source
   shape: tuple[int, ...]  # ours
   dtype: Any
   logical_axes: tuple | None
   sharding: Any  # NamedSharding or None (no mesh)
+  target_shape: tuple[int, ...] = ()
+  target_sharding: Any = None
 
   @property
   def ours(self) -> str:
-    return "/".join(map(str, self.rule.ours))
+    path = "/".join(map(str, self.rule.ours))
+    return path if self.rule.row is None else f"{path}[{self.rule.row}]"
 
   @property
   def kind(self) -> str:
@@ -289,7 +298,7 @@ class LoadPlan:
     """The model with ShapeDtypeStruct leaves that carry their target shardings (nothing is allocated)."""
     pure = nnx.to_pure_dict(self.state)
     for e in self.entries:
-      set_path(pure, e.rule.ours, jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=e.sharding))
+      set_path(pure, e.rule.ours, jax.ShapeDtypeStruct(e.target_shape, e.dtype, sharding=e.target_sharding))
     state = jax.tree.map(lambda x: x, self.state)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(self.graphdef, state)
@@ -311,13 +320,22 @@ def plan(cfg: TextConfig, mesh=None, *, layout: str = "hf") -> LoadPlan:
     var = flat[r.ours]
     val = var.get_value()
     sh = None if shardings is None else shardings[r.ours].get_value()
-    entries.append(PlanEntry(r, source(r, layout), tuple(val.shape), val.dtype, var.get_metadata().get("logical_axes"),
-                             sh))
+    entries.append(_entry(r, source(r, layout), val, var.get_metadata().get("logical_axes"), sh))
     seen.add(r.ours)
   uncovered = sorted("/".join(map(str, k)) for k in flat if k not in seen)
   if uncovered:  # a model variable no checkpoint tensor fills would stay uninitialised
     raise AssertionError(f"no HF tensor maps to our {uncovered}")
   return LoadPlan(cfg, layout, mesh, entries, graphdef, state)
+
+
+def _entry(r: Rule, src: Source, val, axes: tuple | None, sh) -> PlanEntry:
+  """The plan entry of rule `r` whose target variable has value `val` (abstract) and sharding `sh`; a stack row
+  takes the stack's shape, axes and sharding without the leading layer axis ("layers" is never sharded)."""
+  shape = tuple(val.shape)
+  if r.row is None:
+    return PlanEntry(r, src, shape, val.dtype, axes, sh, shape, sh)
+  row_sh = None if sh is None else jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:]))
+  return PlanEntry(r, src, shape[1:], val.dtype, None if axes is None else tuple(axes[1:]), row_sh, shape, sh)
 
 
 # Stored dtypes we convert exactly; anything else (int8 / fp8 quantised weights, which come with scale tensors) is
@@ -418,10 +436,18 @@ def load(path: str, dtype: str | None = None, mesh=None, *, text_only: bool = Fa
     return p.abstract_model(), p.config
   ckpt = safetensors_io.Checkpoint(path)
   pure = nnx.to_pure_dict(p.state)
+  stacks: dict[tuple, jax.Array] = {}  # a scanned stack's tensor, filled one layer (row) at a time
   for e in p.entries:
     view = e.rule.to_ours(_canonical(ckpt, e.source))
     assert tuple(view.shape) == e.shape, (e.rule.hf, view.shape, e.shape)
-    set_path(pure, e.rule.ours, _place(view, e.dtype, e.sharding))
+    if e.rule.row is None:
+      set_path(pure, e.rule.ours, _place(view, e.dtype, e.sharding))
+      continue
+    if e.rule.ours not in stacks:
+      stacks[e.rule.ours] = _zeros(e.target_shape, e.dtype, e.target_sharding)
+    stacks[e.rule.ours] = _set_row(stacks[e.rule.ours], _place(view, e.dtype, e.sharding), e.rule.row)
+  for ours, arr in stacks.items():
+    set_path(pure, ours, arr)
   nnx.replace_by_pure_dict(p.state, pure)
   return nnx.merge(p.graphdef, p.state), p.config
 
@@ -458,6 +484,33 @@ def _place(view: np.ndarray, dtype, sharding) -> jax.Array:
                                       lambda idx: np.ascontiguousarray(view[idx]).astype(dtype))
 
 
+def _update_row(stack: jax.Array, row_value: jax.Array, row) -> jax.Array:
+  return jax.lax.dynamic_update_index_in_dim(stack, row_value.astype(stack.dtype), row, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_setter(sharding):
+  # Donated and pinned to the stack's sharding, so the update is in place: a device holds the stack plus one
+  # layer, never two stacks. The row is traced: each (shape, sharding) compiles once for all its layers.
+  return jax.jit(_update_row, donate_argnums=0, out_shardings=sharding)
+
+
+def _set_row(stack: jax.Array, row_value: jax.Array, row: int) -> jax.Array:
+  """stack [L, ...] with row `row` replaced by row_value [...] (in place)."""
+  return _row_setter(stack.sharding if isinstance(stack.sharding, jax.sharding.NamedSharding) else None)(
+      stack, row_value, row)
+
+
+@jax.jit
+def _get_row(stack: jax.Array, row) -> jax.Array:
+  """stack [L, ...] -> its row `row` [...], sliced where the stack lives (the row is traced: one compile)."""
+  return jax.lax.dynamic_index_in_dim(stack, row, 0, keepdims=False)
+
+
+def _zeros(shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
 # ---- save -------------------------------------------------------------------------------------------------------
 
 def save(model: TextModel, config: TextConfig, path: str, *, dtype: str | None = None,
@@ -472,7 +525,10 @@ def save(model: TextModel, config: TextConfig, path: str, *, dtype: str | None =
   pure = nnx.to_pure_dict(nnx.state(model))
   tensors = []
   for r in rules(config):
-    arr = np.asarray(jax.device_get(get_path(pure, r.ours)))
+    arr = get_path(pure, r.ours)
+    if r.row is not None:  # one layer of a scanned stack: sliced on the devices, so only that layer is gathered
+      arr = _get_row(arr, r.row)
+    arr = np.asarray(jax.device_get(arr))
     if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
       arr = arr.astype(jnp.dtype(dtype))
     hf_arr = np.ascontiguousarray(r.to_hf(arr))

@@ -23,6 +23,9 @@ class Rule:
   to_ours: Transform
   to_hf: Transform
   hf_shape: tuple[int, ...] | None = None  # None: the loader checks shapes after to_ours (hf_vision)
+  # Row of the leading layer axis of `ours` when the tensor is one layer of a scanned stack (TextConfig.scan_layers);
+  # None: `ours` is the tensor itself.
+  row: int | None = None
 
 
 def same() -> tuple[Transform, Transform]:

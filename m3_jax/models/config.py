@@ -22,7 +22,7 @@ MLP_DENSE = "dense"
 MLP_MOE = "sparse"
 MLP_LAYER_TYPES = (MLP_DENSE, MLP_MOE)
 MOE_IMPLS = ("ragged", "dense", "capacity", "expert_parallel")
-GROUPED_MATMUL_IMPLS = ("xla", "mosaic", "tokamax")
+GROUPED_MATMUL_IMPLS = ("xla", "tiled", "mosaic", "tokamax")
 # With remat: "full" recomputes the whole layer in the backward; "save_selection" keeps each MSA layer's block
 # selection (int32 [B, Hkv, T, topk]) from the forward, so the recompute skips the index scoring and the top-k.
 REMAT_POLICIES = ("full", "save_selection")
@@ -91,8 +91,9 @@ class TextConfig:
   # that are dropped. ragged, dense and expert_parallel never drop.
   capacity_factor: float = 1.25
   # The grouped matmuls of the dropless paths (ragged, expert_parallel): "xla" (jax.lax.ragged_dot, any backend;
-  # on GPUs its backward needs per-expert temporaries), "mosaic" (Hopper kernels shipped with JAX, our VJP) or
-  # "tokamax" (optional package). See pallas_kernels/grouped_matmul.
+  # on CPU and in its GPU backward it copies the rows per expert), "tiled" (scanned one-expert tiles: memory
+  # bounded everywhere), "mosaic" (Hopper kernels shipped with JAX, our VJP) or "tokamax" (optional package).
+  # See pallas_kernels/grouped_matmul.
   grouped_matmul_impl: str = "xla"
   # Load balancing, either way or both: `router_aux_loss_coef` x the balance loss in the train loss (HF's field, the
   # one place its coefficient lives), and aux-loss-free balancing (ours; how M3 and DeepSeek-V3 train): after each
@@ -104,6 +105,10 @@ class TextConfig:
   param_dtype: str = "float32"
   remat: bool = False
   remat_policy: str = "full"  # one of REMAT_POLICIES (used when remat is True)
+  # Consecutive layers of one (layer type, MLP type) run as one `jax.lax.scan` over their parameters stacked on a
+  # leading layer axis (models/transformer.py LayerStack): compile time stops growing with depth. The state layout
+  # changes (`layers/<run>/layer/...` with a leading axis); HF checkpoints map to it either way (interop/hf.py).
+  scan_layers: bool = False
 
   def __post_init__(self):
     # Lists from JSON/ml_collections become tuples so the config stays hashable (it is a jit static argument).
@@ -157,6 +162,8 @@ class TextConfig:
       bad(f"grouped_matmul_impl={self.grouped_matmul_impl!r}; expected one of {GROUPED_MATMUL_IMPLS}")
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
+    if not isinstance(self.scan_layers, bool):
+      bad(f"scan_layers={self.scan_layers!r} must be True or False")
     if self.router_bias_update_rate < 0:
       bad(f"router_bias_update_rate={self.router_bias_update_rate} must be >= 0 (0: no aux-loss-free balancing)")
     if self.router_aux_loss_coef < 0:

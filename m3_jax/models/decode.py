@@ -13,13 +13,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3_jax.models.transformer import TextModel
+from m3_jax.models.transformer import LayerStack, TextModel
 
 
 def init_caches(model: TextModel, batch: int, max_len: int, dtype=None) -> list[Any]:
   """One empty cache per layer, of the type its attention asks for; dtype defaults to the compute dtype."""
   dtype = jnp.dtype(model.cfg.dtype) if dtype is None else dtype
-  return [layer.self_attn.init_cache(batch, max_len, dtype) for layer in model.layers]
+  caches = []
+  for entry in model.layers:  # a scanned stack's layers share one attention module (and so one cache type)
+    layer, n = (entry.layer, entry.count) if isinstance(entry, LayerStack) else (entry, 1)
+    caches += [layer.self_attn.init_cache(batch, max_len, dtype) for _ in range(n)]
+  return caches
 
 
 def make_step(model: TextModel) -> Callable:

@@ -102,8 +102,13 @@ class MoE(nnx.Module):
                            param_dtype=param_dtype, dtype=dtype)
 
   def update_bias(self, load: jax.Array, rate: float) -> None:
-    """One aux-loss-free balancing step of `e_score_correction_bias` from this layer's load [E] (in place)."""
-    self.e_score_correction_bias[...] = balance_bias_step(self.e_score_correction_bias[...], load, rate)
+    """One aux-loss-free balancing step of `e_score_correction_bias` from this layer's load [E] (in place). The
+    MoE of a scanned stack (models/transformer.py LayerStack) holds one bias row per layer: load [L, E]."""
+    bias = self.e_score_correction_bias[...]
+    if bias.ndim == 2 and load.shape == bias.shape:
+      self.e_score_correction_bias[...] = jax.vmap(balance_bias_step, in_axes=(0, 0, None))(bias, load, rate)
+    else:
+      self.e_score_correction_bias[...] = balance_bias_step(bias, load, rate)
 
   def _experts_ragged(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """x: [N, d]; w, idx: [N, k] -> [N, d]."""

@@ -11,8 +11,9 @@ shard_map boundary (FSDP's gather; its transpose is the gradient's reduce-scatte
      shard (each token's k distinct experts all on that shard), so nothing is ever dropped: the buffers trade up to
      ep x the balanced size for an exact, HF-equal function whatever the routing;
   2. all-to-all over `expert`: each shard receives the slots for its experts from every shard;
-  3. grouped matmuls over the local experts (`grouped_swiglu`); empty buffer rows are zeros, which every expert maps
-     to zero outputs and zero weight gradients, so they need no mask;
+  3. grouped matmuls over the local experts (`grouped_swiglu`, any `pallas_kernels.grouped_matmul`
+     implementation; `tiled` keeps the memory of both passes O(rows) on every backend); the empty buffer rows are
+     sorted past the last expert's and give zero rows;
   4. all-to-all back, each slot's output weighted and summed into its token; a psum over `tensor` completes the
      down projection, whose contraction dim is split there.
 
@@ -97,9 +98,9 @@ def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.
     recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: block j from shard j
     recv_id = jax.lax.all_to_all(send_id, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C]
     rows, ids = recv.reshape(ep * cap, dm), recv_id.reshape(ep * cap)  # [M, d], [M]
-    key = jnp.where(ids < 0, e_loc - 1, ids)  # empty (zero) rows join the last group: zero in, zero out
+    key = jnp.where(ids < 0, e_loc, ids)  # empty rows sort past the last expert: no group, never multiplied
     order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]
+    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]; bincount drops key e_loc
     y_sorted = grouped_swiglu(rows[order], group_sizes, gate_up, down, alpha=alpha, limit=limit,
                               matmul_impl=matmul_impl)  # [M, d]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # back to the received order

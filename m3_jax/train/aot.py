@@ -29,8 +29,20 @@ def fake_devices(n: int) -> None:
   jax.config.update("jax_platforms", "cpu")
 
 
+# One H200's memory, the device the M3 step is sized for (the budget the verdict line checks).
+H200_BYTES = 141 * 2**30
+
+
 def _gib(b: float) -> str:
   return f"{b / 2**30:,.2f} GiB"
+
+
+def device_total(mem) -> int | None:
+  """Bytes one device holds while the step runs: its arguments, the outputs that do not reuse a donated argument,
+  and the temporaries."""
+  if mem is None:
+    return None
+  return mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
 
 
 def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -75,6 +87,8 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "compiled_output_bytes_per_device": getattr(mem, "output_size_in_bytes", None),
       "compiled_temp_bytes_per_device": getattr(mem, "temp_size_in_bytes", None),
       "compiled_alias_bytes_per_device": getattr(mem, "alias_size_in_bytes", None),  # outputs in donated inputs
+      "total_bytes_per_device": device_total(mem), "budget_bytes_per_device": H200_BYTES,
+      "scan_layers": cfg.scan_layers, "moe_impl": cfg.moe_impl, "layer_types": sorted(set(cfg.layer_types)),
       "lower_seconds": t_lower, "compile_seconds": t_compile,
   }
   lines = [
@@ -85,8 +99,13 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
       f"optimizer per device  {_gib(opt_b['per_device'])}",
   ]
   if mem is not None:
-    lines += [f"compiled step: arguments {_gib(mem.argument_size_in_bytes)}, outputs {_gib(mem.output_size_in_bytes)}, "
-              f"temporaries {_gib(mem.temp_size_in_bytes)} per device"]
+    total = device_total(mem)
+    lines += [f"compiled step: arguments {_gib(mem.argument_size_in_bytes)} (params, optimizer, batch), outputs "
+              f"{_gib(mem.output_size_in_bytes)} ({_gib(mem.alias_size_in_bytes)} of them in donated arguments), "
+              f"temporaries {_gib(mem.temp_size_in_bytes)} per device",
+              f"total per device      {_gib(total)}: "
+              + (f"fits one H200 ({_gib(H200_BYTES)})" if total <= H200_BYTES
+                 else f"does NOT fit one H200 ({_gib(H200_BYTES)}), {_gib(total - H200_BYTES)} over")]
   lines += [f"lowered in {t_lower:.1f}s, compiled in {t_compile:.1f}s"]
   print("\n".join(lines), flush=True)
   os.makedirs(workdir, exist_ok=True)

@@ -7,6 +7,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+
+from m3_jax.models.transformer import LAYER_AXIS
 
 SCHEDULES = ("cosine", "wsd", "constant")
 
@@ -84,8 +87,16 @@ def _base_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 
 def decay_mask(params):
-  """Decay matrices only; norms' scales and the router bias (not a Param) are left alone."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Decay matrices only; norms' scales and the router bias (not a Param) are left alone. The leading layer axis of
+  a scanned stack (TextConfig.scan_layers) is no matrix dim: a stack's norm scales [L, d] are not decayed either."""
+
+  def is_matrix(x) -> bool:
+    if not isinstance(x, nnx.Variable):
+      return x.ndim >= 2
+    axes = x.get_metadata().get("logical_axes") or ()
+    return x.get_value().ndim - (1 if axes[:1] == (LAYER_AXIS,) else 0) >= 2
+
+  return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:

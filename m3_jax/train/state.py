@@ -15,7 +15,7 @@ from flax import nnx
 from m3_jax.core import sharding
 from m3_jax.models.config import TextConfig, VLConfig
 from m3_jax.models.multimodal import VLModel
-from m3_jax.models.transformer import TextModel
+from m3_jax.models.transformer import TextModel, per_layer_keys
 from m3_jax.train import checkpoint as ckpt_lib
 from m3_jax.train import config_lib
 from m3_jax.train.metrics import log
@@ -99,19 +99,34 @@ def state_shardings_for(abstract: TrainState, p_sh, r_sh, mesh: jax.sharding.Mes
   return TrainState(step=replicated, params=p_sh, rest=r_sh, opt_state=opt_sh, rng=replicated)
 
 
+def _per_layer(cfg: ModelConfig | None, key: tuple) -> list[tuple[tuple, int | None]]:
+  """A flat state key of `cfg`'s model -> [(the unscanned layout's key, stack row or None)] (None: unscanned)."""
+  if cfg is None:
+    return [(key, None)]
+  pre = ("language_model",) if isinstance(cfg, VLConfig) else ()
+  if key[:len(pre)] != pre:
+    return [(key, None)]
+  return [(pre + k, row) for k, row in per_layer_keys(config_lib.text_config(cfg), key[len(pre):])]
+
+
 def init_from_export(state: TrainState, path: str, mesh: jax.sharding.Mesh,
                      cfg: ModelConfig | None = None) -> TrainState:
   """Warm start from an export (e.g. dense -> MSA, the paper's MSA-CPT): every parameter the export has is
   copied (same path, same shape); the rest (MSA index projections and norms) keep their fresh initialisation.
   A text export into a VL model fills its `language_model` (continued pretraining of a text model with vision:
-  the tower and projector start fresh). The optimizer starts fresh at step 0."""
+  the tower and projector start fresh). Paths are matched per layer, so an export and a model of different
+  `scan_layers` layouts (cfg: this model's config; None: unscanned) meet layer by layer. The optimizer starts
+  fresh at step 0."""
   if not ckpt_lib.is_export(path):
     raise FileNotFoundError(f"init_from={path!r} is not an export directory (made by --mode=export)")
   src_cfg = config_lib.model_config_from_export(ckpt_lib.load_export_config(path))
   _, (params, rest), (p_sh, r_sh) = param_shardings(src_cfg, mesh)
   src = ckpt_lib.restore_params(path, ckpt_lib.abstract_like({"params": params, "rest": rest},
                                                              {"params": p_sh, "rest": r_sh}))
-  src_map = {**dict(nnx.to_flat_state(src["params"])), **dict(nnx.to_flat_state(src["rest"]))}
+  src_map = {}
+  for key, var in [*nnx.to_flat_state(src["params"]), *nnx.to_flat_state(src["rest"])]:
+    for k, row in _per_layer(src_cfg, key):
+      src_map[k] = var.get_value() if row is None else var.get_value()[row]
   if isinstance(cfg, VLConfig) and isinstance(src_cfg, TextConfig):
     src_map = {("language_model",) + k: v for k, v in src_map.items()}
   copied, fresh = 0, []
@@ -120,16 +135,19 @@ def init_from_export(state: TrainState, path: str, mesh: jax.sharding.Mesh,
     nonlocal copied
     out = []
     for key, var in nnx.to_flat_state(tree):
-      if key in src_map:
-        new = src_map[key].get_value()
-        if new.shape != var.get_value().shape:
-          raise ValueError(f"init_from: {'/'.join(map(str, key))} has shape {new.shape} in {path}, "
-                           f"{var.get_value().shape} in this model")
-        out.append((key, var.replace(new.astype(var.get_value().dtype))))
+      value = var.get_value()
+      for k, row in _per_layer(cfg, key):
+        name = "/".join(map(str, k))
+        if k not in src_map:
+          fresh.append(name)
+          continue
+        new = src_map[k].astype(value.dtype)
+        want = value.shape if row is None else value.shape[1:]
+        if new.shape != want:
+          raise ValueError(f"init_from: {name} has shape {new.shape} in {path}, {want} in this model")
+        value = new if row is None else jax.device_put(value.at[row].set(new), value.sharding)
         copied += 1
-      else:
-        fresh.append("/".join(map(str, key)))
-        out.append((key, var))
+      out.append((key, var.replace(value)))
     return nnx.from_flat_state(out)
 
   state = state.replace(params=take(state.params), rest=take(state.rest))

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import mosaic as _mosaic
 from pallas_kernels.grouped_matmul import reference as _reference
+from pallas_kernels.grouped_matmul import tiled as _tiled
 
-IMPLEMENTATIONS = ("xla", "mosaic", "tokamax", "reference")
+IMPLEMENTATIONS = ("xla", "tiled", "mosaic", "tokamax", "reference")
 
 
 def _check(x, w, group_sizes) -> None:
@@ -34,7 +35,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implem
                    preferred_element_type=None) -> jax.Array:
   """x: [M, K]; w: [G, K, N]; group_sizes: [G] -> [M, N] (preferred_element_type, default x.dtype).
 
-  `mosaic` and `tokamax` need x and w in one dtype (cast w first); their products come out in that dtype and are
+  `tiled` (any backend; memory O(rows + weights) in both passes, where XLA's ragged_dot copies the rows per group
+  on CPU and in its GPU backward) scans tiles of one group each. `mosaic` and `tokamax` need x and w in one dtype (cast w first); their products come out in that dtype and are
   cast afterwards, while `xla` accumulates straight into preferred_element_type.
   """
   if implementation not in IMPLEMENTATIONS:
@@ -46,6 +48,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implem
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out)
   if implementation == "reference":
     return _reference.grouped_matmul(x, w, group_sizes).astype(out)
+  if implementation == "tiled":
+    return _tiled.grouped_matmul(x, w, group_sizes).astype(out)
   if x.dtype != w.dtype:
     raise TypeError(f"grouped_matmul(implementation={implementation!r}): x {x.dtype} and w {w.dtype} must share "
                     "a dtype")
