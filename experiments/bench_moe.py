@@ -4,7 +4,7 @@ forward + backward at small_lm's MoE shapes (slots = batch x seq x top-k rows so
 and writes JSON. The whole-model comparison (tokens/s, MFU) is `experiments.bench_train` over configs/small_lm.py
 with `moe_impl=capacity` vs `moe_impl=ragged` and `--config.model.grouped_matmul_impl=...`.
 
-  python3 -m experiments.bench_moe --impl=xla,mosaic,tokamax --out=$OUT/bench_moe.json
+  python3 -m experiments.bench_moe --impl=mosaic,tokamax,tiled,xla --out=$OUT/bench_moe.json
 
 Routing: slots per expert drawn from a multinomial over expert shares ~ Dirichlet(--skew) (large skew: balanced).
 """
@@ -69,7 +69,7 @@ def bench(impl, m, k, n, g, skew, rng) -> dict:
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--impl", default="xla,mosaic,tokamax")
+  ap.add_argument("--impl", default="mosaic,tokamax,tiled,xla")
   ap.add_argument("--tokens", type=int, default=8 * 4096, help="tokens per step (batch x seq)")
   ap.add_argument("--top_k", type=int, default=2)
   ap.add_argument("--experts", type=int, default=16)
