@@ -156,7 +156,8 @@ def run_all(a: argparse.Namespace, arms: list[str], sweep_dir: str, meta: dict,
   def rewrite_results() -> None:
     report.write_results(sweep_dir, load_runs(sweep_dir, arms, a.seeds, meta["steps"]), meta)
 
-  lib_sweep.run_sweep(todo(arms, a.seeds)[shard[0]::shard[1]], sweep_dir, lambda arm, seed, work: run_arm(a, arm, seed, work), tag=TAG,
+  lib_sweep.run_sweep(todo(arms, a.seeds)[shard[0]::shard[1]], sweep_dir,
+                      lambda arm, seed, work: run_arm(a, arm, seed, work), tag=TAG,
                       after_each=rewrite_results)
 
 

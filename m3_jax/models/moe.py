@@ -2,11 +2,12 @@
 `routed_scaling_factor`, SwiGLU-OAI experts, one always-on shared expert.
 
 Two expert implementations compute the same function: `ragged` (tokens sorted by expert, grouped matmuls from
-`pallas_kernels.grouped_matmul`: XLA's ragged_dot, or Hopper kernels with `grouped_matmul_impl="mosaic"`, whose
-memory does not grow with the number of experts as XLA's GPU backward does; dropless, no capacity factor, FLOPs of
-the chosen experts only) and `dense` (every expert on every token, weighted by the sparse combine matrix: simple,
-used as a reference in tests). A third, `capacity`, drops assignments past a per-expert capacity: fixed [E, C, d]
-buffers, plain batched matmuls that shard over `expert`, a bounded footprint, but not HF's function.
+`pallas_kernels.grouped_matmul` per `grouped_matmul_impl`: XLA's ragged_dot, or `tiled` / `mosaic` (Hopper),
+whose memory does not grow with the number of experts as XLA's does on CPU and in its GPU backward; dropless, no
+capacity factor, FLOPs of the chosen experts only) and `dense` (every expert on every token, weighted by the
+sparse combine matrix: simple, used as a reference in tests). A third, `capacity`, drops assignments past a
+per-expert capacity: fixed [E, C, d] buffers, plain batched matmuls that shard over `expert`, a bounded
+footprint, but not HF's function.
 A fourth, `expert_parallel` (models/moe_parallel.py), is `ragged`'s function with the experts split over the
 `expert` mesh axis and the token slots exchanged by all-to-all; without an `expert` axis it is `ragged`.
 """

@@ -36,8 +36,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implem
   """x: [M, K]; w: [G, K, N]; group_sizes: [G] -> [M, N] (preferred_element_type, default x.dtype).
 
   `tiled` (any backend; memory O(rows + weights) in both passes, where XLA's ragged_dot copies the rows per group
-  on CPU and in its GPU backward) scans tiles of one group each. `mosaic` and `tokamax` need x and w in one dtype (cast w first); their products come out in that dtype and are
-  cast afterwards, while `xla` accumulates straight into preferred_element_type.
+  on CPU and in its GPU backward) scans tiles of one group each. `mosaic` and `tokamax` need x and w in one dtype
+  (cast w first); their products come out in that dtype and are cast afterwards, while `xla` accumulates straight
+  into preferred_element_type.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"grouped_matmul: implementation={implementation!r}, expected one of {IMPLEMENTATIONS}")

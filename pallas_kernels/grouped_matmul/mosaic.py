@@ -57,16 +57,11 @@ def _mask_rows(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
   return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
 
 
-def _tile_kwargs(tiles: Tiles) -> dict:
-  return dict(block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
-              max_concurrent_steps=tiles.max_concurrent_steps, grid_block_n=tiles.grid_block_n)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiles: Tiles = DEFAULT_TILES) -> jax.Array:
   """x: [M, K]; w: [G, K, N] (same dtype); group_sizes: [G] int32 -> [M, N] in x.dtype."""
   rd, _ = _kernels()
-  return _mask_rows(rd(x, w, group_sizes=group_sizes, **_tile_kwargs(tiles)), group_sizes)
+  return _mask_rows(rd(x, w, group_sizes=group_sizes, **dataclasses.asdict(tiles)), group_sizes)
 
 
 def _fwd(x, w, group_sizes, tiles):
@@ -77,8 +72,8 @@ def _bwd(tiles, res, dy):
   x, w, group_sizes = res
   rd, trd = _kernels()
   dy = _mask_rows(dy.astype(x.dtype), group_sizes)
-  dx = _mask_rows(rd(dy, w, group_sizes=group_sizes, transpose_rhs=True, **_tile_kwargs(tiles)), group_sizes)
-  dw = trd(x, dy, group_sizes=group_sizes, **_tile_kwargs(tiles))  # [G, K, N]
+  dx = _mask_rows(rd(dy, w, group_sizes=group_sizes, transpose_rhs=True, **dataclasses.asdict(tiles)), group_sizes)
+  dw = trd(x, dy, group_sizes=group_sizes, **dataclasses.asdict(tiles))  # [G, K, N]
   return dx, dw.astype(w.dtype), None
 
 
