@@ -23,6 +23,8 @@ def main():
   ap.add_argument("--run", action="append", required=True, help="NAME=CONFIG[:ARG] [extra flags after ' ']")
   ap.add_argument("--workroot", default="/tmp/bench_train")
   ap.add_argument("--out", default="bench_train.json")
+  ap.add_argument("--run_timeout", type=float, default=None,
+                  help="seconds per run; a run past it is killed and recorded with what it logged so far")
   args = ap.parse_args()
   results = {}
   for spec in args.run:
@@ -33,14 +35,18 @@ def main():
     cmd = [sys.executable, "-m", "m3_jax.main", f"--config={config}", f"--workdir={work}",
            "--config.train.eval_every=0", "--config.checkpoint.every=0", *extra]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    try:
+      proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.run_timeout)
+      returncode, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+      returncode = "timeout"
+      log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
     wall = time.time() - t0
-    log = proc.stdout + proc.stderr
     with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), f"{name}.log"), "w") as f:
       f.write(log)
     rows = [r for r in metrics.read(work) if "tokens_per_sec" in r]
     steady = rows[2:] if len(rows) > 3 else rows[1:]
-    res = {"config": config, "extra": extra, "returncode": proc.returncode, "wall_s": wall}
+    res = {"config": config, "extra": extra, "returncode": returncode, "wall_s": wall}
     if steady:
       res["tokens_per_sec"] = statistics.median(r["tokens_per_sec"] for r in steady)
       mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
@@ -50,9 +56,12 @@ def main():
     compile_line = [l for l in log.splitlines() if l.startswith(("compiled in", "model:"))]
     res["notes"] = compile_line
     results[name] = res
-    print(f"{name}: rc={proc.returncode} " + json.dumps({k: v for k, v in res.items() if k != "notes"}), flush=True)
-    if proc.returncode:
+    print(f"{name}: rc={returncode} " + json.dumps({k: v for k, v in res.items() if k != "notes"}), flush=True)
+    if returncode:
       print(log[-3000:])
+    # Written after every run so that a call cut short by its time limit keeps the runs that finished.
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=2)
   print(f"\n{'run':<12}{'tok/s':>12}{'MFU':>8}{'loss first->last':>22}")
   for name, r in results.items():
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
