@@ -4,7 +4,10 @@ Every parameter carries `logical_axes` metadata (one name or None per dim) and l
 with `constrain(x, names)`. This file is the only place that knows how those names land on the mesh.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer state sharded),
-`tensor` (Megatron-style heads / MLP split), `expert` (MoE experts; batch is also split over it outside the MoE).
+`tensor` (Megatron-style heads / MLP split), `expert` (MoE experts; batch is also split over it outside the MoE),
+`context` (the sequence: every [B, T] activation is split along T; parameters and optimizer state are sharded over
+it as over `fsdp`, so a long-context run does not hold a full copy per context shard; core/context.py says which
+slots each device holds, models/attention/context.py how attention sees the whole sequence).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "context")
 
 # Logical name -> mesh axis, or a tuple of mesh axes, or None (replicated).
 LOGICAL_RULES: dict[str, Any] = {
     # activations
     "activation_batch": ("data", "fsdp", "expert"),
-    "activation_length": None,
+    "activation_length": "context",
     "activation_embed": None,
     "activation_heads": "tensor",
     "activation_kv_heads": "tensor",
@@ -32,7 +35,7 @@ LOGICAL_RULES: dict[str, Any] = {
     "activation_exp": "expert",
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -47,8 +50,17 @@ LOGICAL_RULES: dict[str, Any] = {
 }
 
 
+def _axes_tuple(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+# [B * T] flattened tokens (the MoE's rows): batch-major, so the batch axes come first and `context` last.
+LOGICAL_RULES["activation_tokens"] = (_axes_tuple(LOGICAL_RULES["activation_batch"])
+                                      + _axes_tuple(LOGICAL_RULES["activation_length"]))
+
+
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the 4-axis mesh. One entry of `shape` may be -1: it takes the remaining devices."""
+  """Builds the 5-axis mesh (axes missing from `shape` have size 1). One entry of `shape` may be -1: it takes the remaining devices."""
   devices = list(jax.devices() if devices is None else devices)
   unknown = sorted(set(shape) - set(MESH_AXES))
   if unknown:
@@ -78,8 +90,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Mapping[str, Any] = LOGI
       continue
     if name not in rules:
       raise KeyError(f"logical axis {name!r} has no rule in LOGICAL_RULES")
-    axes = rules[name]
-    tup = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    tup = _axes_tuple(rules[name])
     for a in tup:
       if a in used:
         raise ValueError(f"logical axes {used[a]!r} and {name!r} both map to mesh axis {a!r} in {tuple(names)}")
@@ -152,12 +163,26 @@ def state_shardings(abstract_state: Any, mesh: Mesh, *, prefix: str = "") -> Any
   return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  return NamedSharding(mesh, logical_to_spec(("activation_batch",) + (None,) * (ndim - 1)))
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Every batch array: dim 0 over the batch axes, dim 1 (the sequence of [B, T] arrays, in core/context.py's
+  device order when `context` > 1) over `context`. A multimodal batch never has `context` > 1 (train/checks.py), so
+  its pixel arrays' dim 1 is whole."""
+  return NamedSharding(mesh, logical_to_spec(("activation_batch", "activation_length")))
 
 
 def batch_divisor(mesh: Mesh) -> int:
   return _mesh_size(mesh, LOGICAL_RULES["activation_batch"])
+
+
+def token_divisor(mesh: Mesh) -> int:
+  """How many ways flattened [B * T] tokens split: the batch axes times `context`."""
+  return _mesh_size(mesh, LOGICAL_RULES["activation_tokens"])
+
+
+def context_shards(mesh: Mesh | None = None) -> int:
+  """Size of the mesh axis the sequence is split over (`mesh`, or the current one; 1 without a mesh)."""
+  mesh = current_mesh() if mesh is None else mesh
+  return 1 if mesh is None else _mesh_size(mesh, LOGICAL_RULES["activation_length"])
 
 
 def bytes_per_device(tree: Any) -> dict[str, int]:

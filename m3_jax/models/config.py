@@ -95,6 +95,11 @@ class TextConfig:
   # bounded everywhere), "mosaic" (Hopper kernels shipped with JAX, our VJP) or "tokamax" (optional package).
   # See pallas_kernels/grouped_matmul.
   grouped_matmul_impl: str = "xla"
+  # moe_impl="expert_parallel": each device sends its tokens through the all-to-all exchange this many at a time
+  # (a scan over chunks, each rematerialised in the backward), so the fixed-size slot buffers, ep x min(k, E / ep)
+  # rows per token, are bounded by the chunk instead of growing with the tokens per device (long contexts).
+  # 0: all of them at once. Must divide the tokens per device.
+  moe_chunk_tokens: int = 0
   # Load balancing, either way or both: `router_aux_loss_coef` x the balance loss in the train loss (HF's field, the
   # one place its coefficient lives), and aux-loss-free balancing (ours; how M3 and DeepSeek-V3 train): after each
   # optimizer step every MoE layer's e_score_correction_bias moves by router_bias_update_rate x sign(mean load -
@@ -158,6 +163,8 @@ class TextConfig:
       bad(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
     if self.moe_impl not in MOE_IMPLS:
       bad(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
+    if self.moe_chunk_tokens < 0:
+      bad(f"moe_chunk_tokens={self.moe_chunk_tokens} must be >= 0 (0: exchange all tokens at once)")
     if self.grouped_matmul_impl not in GROUPED_MATMUL_IMPLS:
       bad(f"grouped_matmul_impl={self.grouped_matmul_impl!r}; expected one of {GROUPED_MATMUL_IMPLS}")
     if self.remat_policy not in REMAT_POLICIES:

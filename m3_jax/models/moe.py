@@ -42,6 +42,7 @@ class MoEDims:
   limit: float
   capacity_factor: float = 1.25
   matmul_impl: str = "xla"  # pallas_kernels.grouped_matmul implementation of the dropless paths
+  chunk_tokens: int = 0  # expert_parallel: exchange each device's tokens this many at a time (0: all at once)
 
   @classmethod
   def from_config(cls, cfg) -> "MoEDims":
@@ -49,7 +50,8 @@ class MoEDims:
     return cls(d_model=cfg.hidden_size, num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
                intermediate=cfg.intermediate_size, shared_intermediate=cfg.shared_intermediate_size,
                routed_scaling_factor=cfg.routed_scaling_factor, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-               capacity_factor=cfg.capacity_factor, matmul_impl=cfg.grouped_matmul_impl)
+               capacity_factor=cfg.capacity_factor, matmul_impl=cfg.grouped_matmul_impl,
+               chunk_tokens=cfg.moe_chunk_tokens)
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float):
@@ -131,7 +133,8 @@ class MoE(nnx.Module):
       return self._experts_ragged(x, w, idx)
     return moe_parallel.experts_all_to_all(x, w, idx, self.gate_up[...].astype(self.dtype),
                                            self.down[...].astype(self.dtype), alpha=self.dims.alpha,
-                                           limit=self.dims.limit, matmul_impl=self.dims.matmul_impl)
+                                           limit=self.dims.limit, matmul_impl=self.dims.matmul_impl,
+                                           chunk_tokens=self.dims.chunk_tokens)
 
   def _experts_dense(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     e = self.dims.num_experts

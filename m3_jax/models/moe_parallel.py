@@ -45,7 +45,7 @@ def check_divisible(num_experts: int, intermediate: int, num_tokens: int) -> Non
   """ValueError naming what does not split evenly over the current mesh."""
   mesh = sharding.current_mesh()
   ep, tp = expert_shards(), int(mesh.shape.get(TENSOR_AXIS, 1))
-  batch = sharding.batch_divisor(mesh)
+  batch = sharding.token_divisor(mesh)
   if num_experts % ep:
     raise ValueError(f"moe_impl='expert_parallel': num_local_experts={num_experts} does not divide over mesh axis "
                      f"{EXPERT_AXIS!r} of size {ep} (mesh {dict(mesh.shape)}); use a divisor of the experts")
@@ -53,8 +53,8 @@ def check_divisible(num_experts: int, intermediate: int, num_tokens: int) -> Non
     raise ValueError(f"moe_impl='expert_parallel': intermediate_size={intermediate} does not divide over mesh axis "
                      f"{TENSOR_AXIS!r} of size {tp} (mesh {dict(mesh.shape)})")
   if num_tokens % batch:
-    raise ValueError(f"moe_impl='expert_parallel': {num_tokens} tokens (batch x length) do not divide over the batch "
-                     f"axes {sharding.LOGICAL_RULES['activation_batch']} of total size {batch} (mesh "
+    raise ValueError(f"moe_impl='expert_parallel': {num_tokens} tokens (batch x length) do not divide over the token "
+                     f"axes {sharding.LOGICAL_RULES['activation_tokens']} of total size {batch} (mesh "
                      f"{dict(mesh.shape)})")
 
 
@@ -72,18 +72,19 @@ def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, do
 
 
 def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, *,
-                       alpha: float, limit: float, matmul_impl: str = "xla") -> jax.Array:
+                       alpha: float, limit: float, matmul_impl: str = "xla", chunk_tokens: int = 0) -> jax.Array:
   """The routed experts' output, expert-parallel over the current mesh (set with `jax.set_mesh`).
 
   x: [N, d] tokens; w, idx: [N, k] combine weights (f32) and global expert ids; gate_up: [E, d, 2, I];
-  down: [E, I, d]. Returns [N, d] f32, the same function as the single-device grouped matmul.
+  down: [E, I, d]. Returns [N, d] f32, the same function as the single-device grouped matmul. chunk_tokens > 0:
+  each device exchanges its tokens that many at a time (TextConfig.moe_chunk_tokens).
   """
   num_experts, _, _, inter = gate_up.shape
   check_divisible(num_experts, inter, x.shape[0])
   ep = expert_shards()
   e_loc = num_experts // ep
 
-  def local(x, w, idx, gate_up, down):
+  def exchange(x, w, idx, gate_up, down):
     # x: [n, d]; w, idx: [n, k]; gate_up: [E_loc, d, 2, I_loc]; down: [E_loc, I_loc, d]
     n, k = idx.shape
     dm = x.shape[-1]
@@ -106,10 +107,24 @@ def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # back to the received order
     back = jax.lax.all_to_all(y.reshape(ep, cap, dm), EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: my slots
     got = back[dest, pos] * w.reshape(-1)[:, None]  # [n k, d]
-    out = jnp.zeros((n, dm), jnp.float32).at[token].add(got)  # [n, d]
+    return jnp.zeros((n, dm), jnp.float32).at[token].add(got)  # [n, d]
+
+  def local(x, w, idx, gate_up, down):
+    n, dm = x.shape
+    if not chunk_tokens or chunk_tokens >= n:
+      return jax.lax.psum(exchange(x, w, idx, gate_up, down), TENSOR_AXIS)
+    if n % chunk_tokens:
+      raise ValueError(f"moe_chunk_tokens={chunk_tokens} does not divide the {n} tokens each device holds")
+    m = n // chunk_tokens
+
+    def one(args):  # rematerialised: the backward keeps one chunk's buffers at a time, not all of them
+      return exchange(*args, gate_up, down)
+
+    chunks = (x.reshape(m, chunk_tokens, dm), w.reshape(m, chunk_tokens, -1), idx.reshape(m, chunk_tokens, -1))
+    out = jax.lax.map(jax.checkpoint(one), chunks).reshape(n, dm)  # [n, d]
     return jax.lax.psum(out, TENSOR_AXIS)
 
-  tokens = sharding.logical_to_spec(("activation_batch", None))
+  tokens = sharding.logical_to_spec(("activation_tokens", None))
   return jax.shard_map(
       local, out_specs=tokens,
       in_specs=(tokens, tokens, tokens, sharding.logical_to_spec(("exp", None, None, "mlp")),

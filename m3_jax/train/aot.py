@@ -14,7 +14,7 @@ import ml_collections
 from m3_jax.core import sharding
 from m3_jax.core.batch import TEXT_KEYS
 from m3_jax.models.flops import param_count
-from m3_jax.train import config_lib
+from m3_jax.train import config_lib, memory
 from m3_jax.train.checks import check_fits
 from m3_jax.train.optimizer import make_optimizer
 from m3_jax.train.state import make_init_fn, param_shardings, state_shardings_for
@@ -78,7 +78,12 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   counts = param_count(cfg)
   params_b = sharding.bytes_per_device(abstract.params)
   opt_b = sharding.bytes_per_device(abstract.opt_state)
+  loss_chunk = int(config.train.get("loss_chunk", 0))
+  text = config_lib.text_config(cfg)
+  modelled = memory.model_bytes(text, dict(mesh.shape), b, t, params_b["per_device"] + opt_b["per_device"],
+                                params_b["per_device"], loss_chunk)
   report = {
+      "memory_model_bytes_per_device": modelled,
       "mesh": dict(mesh.shape), "devices": n, "batch_size": b, "seq_len": t,
       "params_total": counts["total"], "params_active_per_token": counts["active"],
       "param_bytes_per_device": params_b["per_device"], "param_bytes_global": params_b["global"],
@@ -105,7 +110,9 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
               f"temporaries {_gib(mem.temp_size_in_bytes)} per device",
               f"total per device      {_gib(total)}: "
               + (f"fits one H200 ({_gib(H200_BYTES)})" if total <= H200_BYTES
-                 else f"does NOT fit one H200 ({_gib(H200_BYTES)}), {_gib(total - H200_BYTES)} over")]
+                 else f"does NOT fit one H200 ({_gib(H200_BYTES)}), {_gib(total - H200_BYTES)} over"),
+              f"memory model          {memory.fmt(modelled)} ({modelled['total'] / total:.2f}x the compiled "
+              "total; train/memory.py)"]
   lines += [f"lowered in {t_lower:.1f}s, compiled in {t_compile:.1f}s"]
   print("\n".join(lines), flush=True)
   os.makedirs(workdir, exist_ok=True)

@@ -39,10 +39,40 @@ def check_fits(cfg: ModelConfig, config: ml_collections.ConfigDict, mesh: jax.sh
   eb = int(config.eval.batch_size)
   if eb % div:
     raise ValueError(f"eval.batch_size={eb} is not divisible by the batch-parallel mesh size {div}")
+  check_context(cfg, config, mesh)
   chunk = int(config.train.get("loss_chunk", 0))
   if chunk < 0 or (chunk and int(config.train.seq_len) % chunk):
     raise ValueError(f"train.loss_chunk={chunk} must be 0 (off) or divide train.seq_len={config.train.seq_len}")
   param_shardings(cfg, mesh)  # raises, naming the parameter, if a dim does not divide over its mesh axes
+
+
+def check_context(cfg: ModelConfig, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+  """Context parallelism (`mesh.context` > 1): text models only, sequences of 2 x context equal chunks, and the
+  heads split evenly over `tensor` inside the attention's shard_map (models/attention/context.py)."""
+  n = sharding.context_shards(mesh)
+  if n == 1:
+    return
+  if isinstance(cfg, VLConfig):
+    raise ValueError(f"mesh.context={n}: context parallelism covers the text model only; a multimodal config "
+                     "needs mesh.context=1")
+  for what, t in (("train.seq_len", int(config.train.seq_len)),
+                  ("eval.seq_len", int(config.eval.get("seq_len", 0) or config.train.seq_len))):
+    if t % (2 * n):
+      raise ValueError(f"{what}={t} with mesh.context={n}: each device holds two equal chunks of the sequence "
+                       f"(core/context.py), so the length must be a multiple of 2 x context = {2 * n}")
+  # Each process feeds whole rows (its own batch slice, every position): the devices that share a row's chunks
+  # must then be one process's.
+  ctx_dim = list(mesh.axis_names).index("context")
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  if (np.moveaxis(procs, ctx_dim, -1) != np.moveaxis(procs, ctx_dim, -1)[..., :1]).any():
+    raise ValueError(f"mesh.context={n} spans processes (mesh {dict(mesh.shape)} on {jax.process_count()} "
+                     "processes): each process reads whole sequences, so keep context within one host's devices")
+  text = config_lib.text_config(cfg)
+  tp = int(mesh.shape["tensor"])
+  if text.num_key_value_heads % tp:
+    raise ValueError(f"mesh.context={n} with mesh.tensor={tp}: num_key_value_heads={text.num_key_value_heads} must "
+                     "divide over tensor (context-parallel attention keeps each device's query heads with their "
+                     "KV heads)")
 
 
 def check_vocab(cfg: ModelConfig, manifest) -> None:

@@ -67,7 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
   # branch when converting a dense model) are freshly initialised. Ignored when WORKDIR already has a checkpoint.
   c.init_from = ""
 
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
+  # context > 1 splits every sequence over that many devices (context parallelism; README "Long context on a
+  # cluster" says how to pick it beside data / fsdp / expert).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1, context=1))
 
   c.checkpoint = ml_collections.ConfigDict()
   # 0: only at the end (and on SIGTERM / Ctrl-C). A fresh run also saves its initial state as step 0.

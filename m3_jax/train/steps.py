@@ -11,7 +11,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from m3_jax.core import sharding
+from m3_jax.core import context, sharding
 from m3_jax.core.batch import TEXT_KEYS, VISUAL_KEYS
 from m3_jax.train.state import TrainState
 
@@ -170,7 +170,11 @@ def make_eval_step(graphdef, loss_chunk: int = 0) -> Callable:
 
 def to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
   """Host-local numpy batch -> global jax.Arrays sharded over the batch axes (dim 0 of every array; pixels keep
-  their other dims whole). Keys outside the batch contract stay on the host, except eval masks (`NAME_mask`)."""
+  their other dims whole). Keys outside the batch contract stay on the host, except eval masks (`NAME_mask`).
+
+  With `context` > 1 the [B, T] arrays are reordered to core/context.py's device order first and split along T:
+  every step sums over tokens, so losses and gradients are those of the sequence order."""
   sh = sharding.batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in batch.items()
-          if k in TEXT_KEYS + VISUAL_KEYS or k.endswith("_mask")}
+  n = sharding.context_shards(mesh)
+  return {k: jax.make_array_from_process_local_data(sh, context.to_device_order(np.asarray(v), n))
+          for k, v in batch.items() if k in TEXT_KEYS + VISUAL_KEYS or k.endswith("_mask")}

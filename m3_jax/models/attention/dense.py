@@ -16,12 +16,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3_jax.core.sharding import constrain
+from m3_jax.models.attention import context
 from m3_jax.models.attention.core import causal_mask, masked_attention
 from m3_jax.models.layers import RMSNorm, apply_rope, param
+from pallas_kernels.flash_attention import flash_attention
 
 # cudnn_packed: cuDNN with packed documents on its offsets layout (`packed_cudnn_attention`); its GPU check
 # (experiments/check_packed_attention.py) has not run yet, so it is opt-in.
 ATTENTION_IMPLS = ("xla", "cudnn", "cudnn_packed")
+# Logical axes of the attention activations (core/sharding.py maps them to the mesh).
+Q_AXES = ("activation_batch", "activation_length", "activation_heads", None)  # q, out [B, T, Hq, D]
+KV_AXES = ("activation_batch", "activation_length", "activation_kv_heads", None)  # k, v [B, S, Hkv, D]
+TOKEN_AXES = ("activation_batch", "activation_length")  # segment ids [B, T]
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "xla", q_offset: int | None = None,
@@ -197,10 +203,28 @@ class Attention(nnx.Module):
     v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))  # [B, T, Hkv, D]
     q = apply_rope(self.q_norm(q), positions, rotary_dim=dims.rotary_dim, theta=dims.rope_theta)
     k = apply_rope(self.k_norm(k), positions, rotary_dim=dims.rotary_dim, theta=dims.rope_theta)
-    q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
-    k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
-    v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
+    q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
     return q, k, v
+
+  def _check_context_parallel(self, cache, capture: bool) -> None:
+    if cache is not None or capture:
+      raise ValueError(f"{type(self).__name__}: {'decoding' if cache is not None else 'capture_attention'} runs on a "
+                       "mesh without context parallelism (mesh context=1); the sequence split over `context` is "
+                       "for training and evaluation forwards")
+
+  def _attend_context_parallel(self, q, k, v, segment_ids) -> jax.Array:
+    """Causal attention of the whole sequence with T split over `context` (models/attention/context.py): K, V and
+    the segment ids gathered, each device's two query chunks through the blockwise XLA flash attention (any
+    backend, traced offsets, O(blocks) memory; cuDNN's fused kernel takes no query offset). -> [B, T, Hq, D]."""
+    keys = {"k": (k, KV_AXES), "v": (v, KV_AXES)}
+    if segment_ids is not None:
+      keys["segment_ids"] = (segment_ids, TOKEN_AXES)
+
+    def core(qs, ks, q_offset, _):
+      return flash_attention(qs["q"], ks["k"], ks["v"], q_offset=q_offset, segment_ids=ks.get("segment_ids")), {}
+
+    out, _ = context.context_parallel(core, {"q": (q, Q_AXES)}, keys, Q_AXES)
+    return out
 
   def output(self, o: jax.Array) -> jax.Array:
     """o: [B, T, Hq, D] -> [B, T, d_model]."""
@@ -217,6 +241,9 @@ class Attention(nnx.Module):
     q_offset = None
     if not self.document_mask:
       segment_ids = None
+    if context.shards() > 1:
+      self._check_context_parallel(cache, capture)
+      return self.output(self._attend_context_parallel(q, k, v, segment_ids)), aux
     if cache is not None:  # decoding: attend over the whole buffer; unwritten slots lie in every query's future
       q_offset = cache.length
       cache = cache.update(k, v)

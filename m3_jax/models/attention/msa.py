@@ -25,14 +25,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from m3_jax.models.attention.dense import Attention, AttentionDims, KVCache, dense_attention
+from m3_jax.models.attention import context
+from m3_jax.models.attention.dense import (KV_AXES, Q_AXES, TOKEN_AXES, Attention, AttentionDims, KVCache,
+                                           dense_attention)
 from m3_jax.models.attention.msa_diagnostics import block_metrics, selected_probs
 from m3_jax.models.layers import RMSNorm, apply_rope, param
 from pallas_kernels import msa as msa_ops
+from pallas_kernels.flash_attention import flash_attention
 
 # The name of the block selection inside a rematerialised layer: a remat policy that saves it (TextConfig
 # remat_policy="save_selection") spares the backward's recompute the index scoring and the top-k.
 SELECTION_NAME = "msa_selection"
+INDEX_QUERY_AXES = ("activation_batch", "activation_length", "activation_kv_heads", None)  # q_idx [B, T, Hkv, d_idx]
+INDEX_KEY_AXES = ("activation_batch", "activation_length", None)  # k_idx [B, S, d_idx]: one head, on every device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +211,10 @@ class MSAAttention(Attention):
       segment_ids = None
     q_idx, k_idx = self.indexer(jax.lax.stop_gradient(x) if msa.detach_index_input else x, positions)
     q_idx = self._index_queries(q_idx)
+    if context.shards() > 1:
+      self._check_context_parallel(cache, capture)
+      out, aux = self._attend_context_parallel(q, k, v, q_idx, k_idx, segment_ids, step_state)
+      return self.output(out.astype(self.dtype)), aux
     aux: dict[str, Any] = {}
     q_offset = None
     if cache is not None:
@@ -213,6 +222,39 @@ class MSAAttention(Attention):
       cache = cache.update(k, v, k_idx)
       k, v, k_idx, aux["cache"] = cache.kv.k, cache.kv.v, cache.k_idx, cache
       segment_ids = None
+
+    def dense(q, k, v, q_offset, segment_ids):
+      return dense_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids)
+
+    out, more = self._attend(q, k, v, q_idx, k_idx, segment_ids, q_offset, step_state, capture, dense)
+    aux.update(more)
+    return self.output(out.astype(self.dtype)), aux
+
+  def _attend_context_parallel(self, q, k, v, q_idx, k_idx, segment_ids, step_state):
+    """`_attend` with the sequence split over `context` (models/attention/context.py): index keys, K, V and the
+    segment ids gathered, selection, sparse attention and KL per device over its own queries."""
+    keys = {"k": (k, KV_AXES), "v": (v, KV_AXES), "k_idx": (k_idx, INDEX_KEY_AXES)}
+    if segment_ids is not None:
+      keys["segment_ids"] = (segment_ids, TOKEN_AXES)
+    queries = {"q": (q, Q_AXES), "q_idx": (q_idx, INDEX_QUERY_AXES)}
+
+    def dense(q, k, v, q_offset, segment_ids):
+      return flash_attention(q, k, v, q_offset=q_offset, segment_ids=segment_ids)
+
+    def core(qs, ks, q_offset, step):
+      out, aux = self._attend(qs["q"], ks["k"], ks["v"], qs["q_idx"], ks["k_idx"], ks.get("segment_ids"), q_offset,
+                              None if step is None else {"step": step}, False, dense)
+      return out, aux
+
+    step = None if step_state is None else step_state["step"]
+    return context.context_parallel(core, queries, keys, Q_AXES, step)
+
+  def _attend(self, q, k, v, q_idx, k_idx, segment_ids, q_offset, step_state, capture: bool, dense):
+    """The attention of queries q [B, T, Hq, D] at slots q_offset + t (None: S - T) over keys k, v [B, S, Hkv, D]
+    with index queries / keys q_idx [B, T, Hkv, d_idx], k_idx [B, S, d_idx] and key segment ids [B, S] (or None).
+    `dense(q, k, v, q_offset, segment_ids)` is the warmup's dense attention. Returns (out [B, T, Hq, D], aux)."""
+    msa = self.msa
+    aux: dict[str, Any] = {}
     ops = dict(block_size=msa.block_size, q_offset=q_offset, implementation=msa.impl)
     seg = {} if segment_ids is None else {"segment_ids": segment_ids}
     block_idx = self._select(q_idx, k_idx, ops, seg)  # [B, Hkv, T, topk]
@@ -226,16 +268,14 @@ class MSAAttention(Attention):
     def sparse():
       return msa_ops.sparse_attention(q, k, v, block_idx, **ops, **seg)
 
-    def dense():
-      return dense_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids)
-
     if capture:  # analysis: the probabilities the sparse branch actually uses, and the selection itself
       out = sparse()
       aux["attention_probs"] = selected_probs(q, k, block_idx, block_size=msa.block_size, q_offset=q_offset,
                                               segment_ids=segment_ids)
       aux["block_idx"] = block_idx
     elif in_warmup:
-      out = jax.lax.cond(step_state["step"] < msa.warmup_steps, dense, sparse)
+      out = jax.lax.cond(step_state["step"] < msa.warmup_steps, lambda: dense(q, k, v, q_offset, segment_ids),
+                         sparse)
     elif fuse_lse:
       out, lse = msa_ops.sparse_attention_with_lse(q, k, v, block_idx, block_size=msa.block_size,
                                                    q_offset=q_offset, **seg)
@@ -244,7 +284,7 @@ class MSAAttention(Attention):
     if training:
       aux.update(self._kl_and_metrics(q, k, q_idx, k_idx, block_idx, ops, seg, lse, q_offset, segment_ids,
                                       step_state["step"], in_warmup))
-    return self.output(out.astype(self.dtype)), aux
+    return out, aux
 
   def _kl_and_metrics(self, q, k, q_idx, k_idx, block_idx, ops, seg, lse, q_offset, segment_ids, step,
                       in_warmup: bool) -> dict[str, Any]:
@@ -271,6 +311,10 @@ class MSAAttention(Attention):
       # The trainer logs the metrics of steps whose count after the update (step + 1) is a multiple of its
       # log_every, and of the first step: with N dividing log_every those are exactly the steps computed here.
       due = (step == 0) | ((step + 1) % msa.metrics_every == 0)
-      skipped = jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(diagnostics))
+      # The skipped branch's NaNs take a zero from each input: inside context parallelism's shard_map both branches
+      # must vary over the same mesh axes.
+      zero = jax.lax.stop_gradient(sum(jnp.zeros_like(a.reshape(-1)[0], jnp.float32) for a in (q, k, block_idx)))
+      skipped = jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype) + zero.astype(s.dtype),
+                             jax.eval_shape(diagnostics))
       metrics = jax.lax.cond(due, diagnostics, lambda: skipped)
     return {"kl_loss": kl, "metrics": {"kl": kl, **metrics}}

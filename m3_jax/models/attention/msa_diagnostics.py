@@ -35,7 +35,7 @@ def block_metrics(q: jax.Array, k: jax.Array, block_idx: jax.Array, *, block_siz
   rows = jnp.linspace(t // 2, t - 1, nq).astype(jnp.int32)  # the later half, where sparsity bites
   pos = q_offset + rows  # [nq]
   seg = None if segment_ids is None else segment_ids[0]
-  visible = causal_mask(pos, jnp.arange(s), None if seg is None else seg[rows][None],
+  visible = causal_mask(pos, jnp.arange(s), None if seg is None else seg[pos][None],
                         None if seg is None else seg[None])  # [1, 1, nq, S]
   probs = attention_probs(q[rows][None], k[None], visible)[0].mean(axis=1)  # [Hkv, nq, S]
   mass = jnp.pad(probs, ((0, 0), (0, 0), (0, nb * block_size - s))).reshape(hkv, nq, nb, block_size).sum(-1)
