@@ -14,6 +14,12 @@ all-to-all over `expert`; `matmul`: their grouped matmul, `tiled` by default), b
 sequence. Mesh: tensor=4 x expert=4, and every other device in `fsdp` (fsdp=0: devices / (tensor x expert), so
 the f32 state shrinks as 1 / devices; data=1). Batch: one sequence per batch-parallel shard (batch_size=0:
 data x fsdp x expert), so the activations of a device stay those of one 4096-token sequence at every size.
+
+1M tokens per sequence with context parallelism (`context`: the sequence split over that many devices; `moe_chunk`:
+the expert-parallel exchange 4096 tokens at a time; `loss_chunk`: the output layer 8192 positions at a time):
+
+  python -m m3_jax.main --config=configs/m3.py:devices=256,context=16,seq_len=1048576,moe_chunk=4096,loss_chunk=8192 \
+      --workdir=/tmp/m3_1m --mode=aot
 """
 
 from m3_jax.models.config import TextConfig
@@ -23,7 +29,8 @@ from m3_jax.train.defaults import base_config
 
 def get_config(arg=None):
   a = parse_arg(arg, devices=64, fsdp=0, tensor=4, expert=4, seq_len=4096, batch_size=0, dense_attention=False,
-                layers=60, scan=True, moe_impl="expert_parallel", matmul="tiled")
+                layers=60, scan=True, moe_impl="expert_parallel", matmul="tiled", context=1, moe_chunk=0,
+                loss_chunk=0)
   c = base_config()
   m3 = TextConfig()
   layer_types = list(m3.layer_types[:a.layers])
@@ -40,9 +47,11 @@ def get_config(arg=None):
   # tiled: the memory-bounded grouped matmul that compiles for any backend (the fake CPU mesh included); on H100 /
   # H200s matmul=mosaic runs the Hopper kernels with the same O(rows) footprint.
   c.model.grouped_matmul_impl = a.matmul
-  fsdp = a.fsdp or max(1, a.devices // (a.tensor * a.expert))
-  c.mesh.data = a.devices // (fsdp * a.tensor * a.expert)
-  c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = fsdp, a.tensor, a.expert
+  c.model.moe_chunk_tokens = a.moe_chunk
+  fsdp = a.fsdp or max(1, a.devices // (a.tensor * a.expert * a.context))
+  c.mesh.data = a.devices // (fsdp * a.tensor * a.expert * a.context)
+  c.mesh.fsdp, c.mesh.tensor, c.mesh.expert, c.mesh.context = fsdp, a.tensor, a.expert, a.context
+  c.train.loss_chunk = a.loss_chunk
   c.train.seq_len = a.seq_len
   c.train.batch_size = a.batch_size or c.mesh.data * fsdp * a.expert
   c.eval.batch_size = c.train.batch_size

@@ -315,10 +315,11 @@ def test_load_onto_eight_devices_matches_hf_and_the_plan():
   print(f"text_msa on 8 devices: max |ours - HF| = {out['max_diff']:.2e}")
   assert out["max_diff"] <= 1e-4
   s = out["specs"]
-  # [E, d, 2, I] experts split over expert x fsdp x tensor; q heads over tensor, the model dim over fsdp
-  assert s["layers/1/mlp/gate_up"] == ["P('expert', 'fsdp', None, 'tensor')", 8, [4, 32, 2, 8]]
-  assert s["layers/0/self_attn/q_proj"] == ["P('fsdp', 'tensor', None)", 8, [32, 2, 16]]
-  assert s["embed_tokens"] == ["P('tensor', 'fsdp')", 8, [128, 32]]
+  # [E, d, 2, I] experts split over expert x fsdp x tensor; q heads over tensor, the model dim over fsdp (and
+  # context, size 1 here: a context-parallel mesh shards parameters over it too)
+  assert s["layers/1/mlp/gate_up"] == ["P('expert', ('fsdp', 'context'), None, 'tensor')", 8, [4, 32, 2, 8]]
+  assert s["layers/0/self_attn/q_proj"] == ["P(('fsdp', 'context'), 'tensor', None)", 8, [32, 2, 16]]
+  assert s["embed_tokens"] == ["P('tensor', ('fsdp', 'context'))", 8, [128, 32]]
 
 
 def _closed_form_bytes(d, v, hq, hkv, hd, di_dense, e, i, si, hi, di, layer_types, mlp_types, param_bytes):
@@ -347,7 +348,7 @@ def test_plan_cli_per_device_bytes_equal_the_closed_form(tmp_path):
   assert "per device:" in out
   with open(dest) as f:
     rep = json.load(f)
-  assert rep["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}
+  assert rep["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2, "context": 1}
   lt = ["full_attention"] * 3 + ["minimax_m3_sparse"]
   mt = ["dense"] * 3 + ["sparse"]
   for dtype, nbytes in (("bfloat16", 2), ("float32", 4)):

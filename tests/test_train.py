@@ -80,7 +80,7 @@ def test_eight_device_mesh_matches_one_device_and_restores_across_meshes(data_di
                env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"})
   out, _ = p.communicate(timeout=600)
   assert p.returncode == 0, out
-  assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2, 'expert': 1} on 8" in out
+  assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2, 'expert': 1, 'context': 1} on 8" in out
   single = str(tmp_path / "single")
   cfg = small_config(data_dir, **{"train.steps": steps, "train.eval_every": steps})
   trainer.train_and_evaluate(cfg, single)
@@ -142,7 +142,7 @@ def test_aot_mode_reports_bytes_per_device_on_a_fake_mesh(tmp_path):
   assert p.returncode == 0, out
   with open(os.path.join(work, "aot_report.json")) as f:
     rep = json.load(f)
-  assert rep["devices"] == 8 and rep["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}
+  assert rep["devices"] == 8 and rep["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2, "context": 1}
   # every M3 weight divides over its axes here, so each device holds between 1/8 and 1/2 of the f32 params
   assert rep["param_bytes_global"] == 4 * rep["params_total"]
   assert rep["param_bytes_global"] / 8 <= rep["param_bytes_per_device"] <= rep["param_bytes_global"] / 2
