@@ -26,6 +26,7 @@ def main():
   ap.add_argument("--run_timeout", type=float, default=None,
                   help="seconds per run; a run past it is killed and recorded with what it logged so far")
   args = ap.parse_args()
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # each run's log goes beside the JSON
   results = {}
   for spec in args.run:
     name, _, rest = spec.partition("=")

@@ -311,10 +311,10 @@ class MSAAttention(Attention):
       # The trainer logs the metrics of steps whose count after the update (step + 1) is a multiple of its
       # log_every, and of the first step: with N dividing log_every those are exactly the steps computed here.
       due = (step == 0) | ((step + 1) % msa.metrics_every == 0)
-      # The skipped branch's NaNs take a zero from each input: inside context parallelism's shard_map both branches
-      # must vary over the same mesh axes.
+      # Both branches take a zero from each input: inside context parallelism's shard_map their outputs must vary
+      # over the same mesh axes, and a metric that is a constant (group_jaccard with one KV group) varies over none.
       zero = jax.lax.stop_gradient(sum(jnp.zeros_like(a.reshape(-1)[0], jnp.float32) for a in (q, k, block_idx)))
-      skipped = jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype) + zero.astype(s.dtype),
-                             jax.eval_shape(diagnostics))
-      metrics = jax.lax.cond(due, diagnostics, lambda: skipped)
+      varying = lambda tree: jax.tree.map(lambda m: m + zero.astype(m.dtype), tree)  # noqa: E731
+      skipped = varying(jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(diagnostics)))
+      metrics = jax.lax.cond(due, lambda: varying(diagnostics()), lambda: skipped)
     return {"kl_loss": kl, "metrics": {"kl": kl, **metrics}}
