@@ -10,8 +10,8 @@ Terms (per device; n = local tokens = batch x T / (batch axes x context), S = T,
   state              params + moments (exact), + one f32 gradient the size of the params
   layer_inputs       L x n x d x dt                  the saved residual stream, one copy per layer (full remat)
   layer_work         one layer recomputed and differentiated: n x (per-token widths of q, k, v, attention out,
-                     the MLP's hidden (f32 gate/up products), the MoE's slots) x (dt + 4): each value and its f32
-                     gradient, the largest layer type counted
+                     the MLP's hidden (f32 gate/up products), the MoE's slots; with moe_chunk_tokens the slots of
+                     one chunk) x (dt + 4): each value and its f32 gradient, the largest layer type counted
   gathered_kv        context > 1: the all-gathered keys of one layer, S x (2 Hkv / tp x D + index dim) x (dt + 4)
                      (values and the f32 gradients that are reduce-scattered back)
   logits             loss_chunk (or n) x V / tp x 4 x 3: f32 logits, their softmax and gradient
@@ -50,14 +50,16 @@ def activation_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int
     attn += (hkv + 1) * cfg.index_head_dim  # index queries (one head per group) and the index key
   mlp_dense = 3 * cfg.dense_intermediate_size / tp  # gate, up (f32 products) and the hidden
   k, e = cfg.num_experts_per_tok, cfg.num_local_experts
-  # expert parallel: a send, a receive and a return buffer of n x min(k, E / ep) slots per shard
+  # expert parallel: a send, a receive and a return buffer of min(k, E / ep) slots per token and shard, for the
+  # tokens of one exchange (moe_chunk_tokens of them at a time when set: the chunks are rematerialised)
   slots = k if cfg.moe_impl != "expert_parallel" else 3 * ep * min(k, e // ep)
-  mlp_moe = slots * (d + 3 * cfg.intermediate_size / tp) + 3 * cfg.shared_intermediate_size / tp
+  moe_rows = min(n, cfg.moe_chunk_tokens) if cfg.moe_impl == "expert_parallel" and cfg.moe_chunk_tokens else n
+  moe = moe_rows * slots * (d + 3 * cfg.intermediate_size / tp) + n * 3 * cfg.shared_intermediate_size / tp
   has_moe = any(t != MLP_DENSE for t in cfg.mlp_layer_types)
-  width = attn + max(mlp_dense, mlp_moe if has_moe else 0) + 4 * d  # + norms and the residual adds
+  mlp = max(n * mlp_dense, moe if has_moe else 0)
   terms = {
       "layer_inputs": cfg.num_hidden_layers * n * d * dt,
-      "layer_work": n * width * grad,
+      "layer_work": (n * (attn + 4 * d) + mlp) * grad,  # + norms and the residual adds
       "gathered_kv": 0.0 if ctx == 1 else seq_len * (2 * hkv * hd + (cfg.index_head_dim if msa else 0)) * grad,
       "logits": (loss_chunk or n) * (cfg.vocab_size / tp) * 4 * 3,
   }

@@ -43,6 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._carry import carried_zero
 from pallas_kernels.flash_attention._common import query_segments
 
 # Default blocks: [B, Hq, 512, 512] f32 is 1 MiB per (batch row, head), large enough to keep a GPU's matmul units
@@ -161,7 +162,8 @@ def _flash_attention(q, k, v, offset, segment_ids, *, scale, block_q, block_k):
   q = _zeros((), q.dtype, *like) + q
   k = _zeros((), k.dtype, *like) + k
   v = _zeros((), v.dtype, *like) + v
-  offset = _zeros((), jnp.int32, *like) + offset
+  # tied to the query values: masks built from the offset alone would be hoisted out of scanned layers (_carry)
+  offset = _zeros((), jnp.int32, *like) + offset + carried_zero(q)
   seg = None if segment_ids is None else _zeros((), jnp.int32, *like) + segment_ids.astype(jnp.int32)
   return _attention(q, k, v, offset, seg, scale, block_q, block_k)
 

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._carry import carried_zero
 from pallas_kernels.msa._common import cdiv, query_segments, resolve_q_offset, split_q_offset, usable_slots
 
 # Working set one query chunk may use. Big enough to amortise the per-iteration overhead of lax.map on CPU, small
@@ -152,7 +153,8 @@ def _select_blocks(q_idx, k_idx, dyn_offset, segment_ids, *, block_size, topk, l
                    query_chunk):
   B, T, Hkv, d_idx = q_idx.shape
   S = k_idx.shape[1]
-  q_offset = resolve_q_offset(static_offset, dyn_offset, T, S)
+  # tied to the index queries: masks built from the offset alone would be hoisted out of scanned layers (_carry)
+  q_offset = resolve_q_offset(static_offset, dyn_offset, T, S) + carried_zero(q_idx)
   num_blocks = cdiv(S, block_size)
   slots = min(topk, num_blocks)
   # local_blocks > slots only when every block is local (slots = num_blocks), so clipping it loses nothing.
@@ -217,7 +219,7 @@ def _sparse_attention(q, k, v, block_idx, dyn_offset, segment_ids, *, block_size
   S, Hkv = k.shape[1], k.shape[2]
   G = Hq // Hkv
   K = block_idx.shape[-1]
-  q_offset = resolve_q_offset(static_offset, dyn_offset, T, S)
+  q_offset = resolve_q_offset(static_offset, dyn_offset, T, S) + carried_zero(q)  # see _select_blocks
   scale = D ** -0.5 if scale is None else scale
   acc = jnp.promote_types(q.dtype, jnp.float32)
   num_blocks = cdiv(S, block_size)
@@ -278,7 +280,7 @@ def _kl_loss(q, k, q_idx, k_idx, block_idx, dyn_offset, segment_ids, *, block_si
   S, Hkv = k.shape[1], k.shape[2]
   G = Hq // Hkv
   d_idx = q_idx.shape[-1]
-  q_offset = resolve_q_offset(static_offset, dyn_offset, T, S)
+  q_offset = resolve_q_offset(static_offset, dyn_offset, T, S) + carried_zero(q)  # see _select_blocks
   scale = D ** -0.5 if scale is None else scale
   index_scale = d_idx ** -0.5 if index_scale is None else index_scale
   num_blocks = cdiv(S, block_size)
