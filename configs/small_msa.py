@@ -14,9 +14,10 @@ q/kv heads: 8/2 (G=4) or 16/1 (G=16, M3's group size). `remat` wraps each layer 
 `loss_chunk=N` computes the output layer and loss N positions at a time (`train.loss_chunk`).
 Issue-19 ablations: `selection=shared` (one block set per query for all KV groups), `detach=False`, and the
 granularity at M3's 2048-token budget: `block_size=16,topk=128` or `block_size=64,topk=32` (128 x 16 is M3's).
-Context parallelism: `context=N` splits each sequence over N devices; its ahead-of-time check at 1M tokens:
+Context parallelism: `context=N` splits each sequence over N devices; its ahead-of-time check at 1M tokens (`scan`:
+the MSA layers as one scanned stack, which XLA's buffer assignment serves with about half the temporaries):
 
-  python -m m3_jax.main --config=configs/small_msa.py:seq_len=1048576,context=8,devices=8,msa_impl=xla,attention_impl=xla,loss_chunk=8192 \
+  python -m m3_jax.main --config=configs/small_msa.py:seq_len=1048576,context=8,devices=8,scan=True,msa_impl=xla,attention_impl=xla,loss_chunk=8192 \
       --workdir=/tmp/small_msa_1m --mode=aot
 """
 
@@ -30,7 +31,7 @@ def get_config(arg=None):
   a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, remat_policy="full", document_mask=False,
                 steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1,
                 metrics_every=10, loss_chunk=0, attention_impl="cudnn", selection="per_group", detach=True, context=1,
-                devices=0)
+                devices=0, scan=False)
   if a.attention not in ("msa", "dense"):
     raise ValueError(f"configs/small_msa.py: attention={a.attention!r}; expected 'msa' or 'dense'")
   hq, _, hkv = a.heads.partition("/")
@@ -66,6 +67,7 @@ def get_config(arg=None):
   m.dtype = "bfloat16"
   m.remat = a.remat
   m.remat_policy = a.remat_policy
+  m.scan_layers = a.scan  # one jax.lax.scan over the 7 MSA layers (the dense layer 0 alone)
   m.document_mask = a.document_mask
 
   c.train.steps = a.steps

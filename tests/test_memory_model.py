@@ -19,23 +19,30 @@ def test_small_msa_terms_at_one_million_tokens_match_hand_arithmetic():
   terms = memory.activation_bytes(cfg, {"context": 8}, batch=1, seq_len=t, loss_chunk=8192)
   # 8 layers' bf16 inputs of width 1024 for the local tokens
   assert terms["layer_inputs"] == 8 * n * 1024 * 2 == 2 * GIB
-  # the whole sequence's K and V (2 KV heads x 128) and the MSA index key (128), bf16 values + f32 gradients
-  assert terms["gathered_kv"] == t * (2 * 2 * 128 + 128) * (2 + 4)
+  # the whole sequence's K and V (2 KV heads x 128): gathered and block-major bf16 copies, f32 upcasts and
+  # gradients; the MSA index key (128): bf16, f32 and its f32 gradient; the recall diagnostics: 64 sampled queries
+  # x 8 heads against every key, f32 scores, probabilities and masks
+  gathered = t * 2 * 2 * 128 * (2 + 2 + 4 + 4) + t * 128 * (2 + 4 + 4) + 64 * 8 * t * 4 * 3
+  assert terms["gathered_keys"] == gathered
+  # per local token: q and out (8 x 128 each), k and v (2 x 128 each), index queries (2 groups) and key (128
+  # each), 4 residual-width values; each in bf16 with an f32 gradient
+  assert terms["attention"] == n * (2 * 8 * 128 + 2 * 2 * 128 + 3 * 128 + 4 * 1024) * 6 + gathered
+  # the MLP's gate, up and hidden (3 x 4096), bf16 + f32 gradient
+  assert terms["mlp"] == n * 3 * 4096 * 6
   # f32 logits, softmax and gradient of one 8192-position chunk over the 8192-token vocabulary
   assert terms["logits"] == 8192 * 8192 * 4 * 3
-  # per token: q and out (8 x 128 each), k and v (2 x 128 each), index queries (2 groups) and key (128 each), the
-  # MLP's gate, up and hidden (3 x 4096) and 4 residual-width values; each in bf16 with an f32 gradient
-  width = 2 * 8 * 128 + 2 * 2 * 128 + 3 * 128 + 3 * 4096 + 4 * 1024
-  assert terms["layer_work"] == n * width * 6
   # parameters are sharded over context as over fsdp, so one layer's bf16 weights are gathered twice (forward and
   # the recompute): between the layer without its MSA index projections (MLP 3 x 1024 x 4096, q and o 1024 x 1024,
   # k and v 1024 x 256) and with them (index queries 1024 x 256, index key 1024 x 128), averaged over the layers
   core = 3 * 1024 * 4096 + 2 * 1024 * 1024 + 2 * 1024 * 256
   assert 2 * 2 * core <= terms["weight_gather"] <= 2 * 2 * (core + 1024 * 384 + 4 * 1024)
-  assert memory.activation_bytes(cfg, {"context": 1}, batch=1, seq_len=t)["weight_gather"] == 0
-  # context=1 on one device: no gathered keys, the local tokens are the whole sequence
-  one = memory.activation_bytes(cfg, {}, batch=1, seq_len=t // 8, loss_chunk=8192)
-  assert one["gathered_kv"] == 0 and one["layer_inputs"] == terms["layer_inputs"]
+  # the phases are not live together: the total takes the largest (attention here) beside what is always live
+  total = memory.model_bytes(cfg, {"context": 8}, 1, t, 3.0, 1.0, 8192)
+  assert total["total"] == 4.0 + terms["layer_inputs"] + terms["weight_gather"] + terms["attention"]
+  # context=1: no gathered keys, nothing gathered per layer, the local tokens are the whole (8x shorter) sequence
+  one = memory.activation_bytes(cfg, {"context": 1}, batch=1, seq_len=t // 8, loss_chunk=8192)
+  assert one["gathered_keys"] == 0 and one["weight_gather"] == 0
+  assert one["layer_inputs"] == terms["layer_inputs"] and one["attention"] == terms["attention"] - gathered
 
 
 def test_moe_exchange_chunks_bound_the_expert_parallel_buffers():
@@ -46,8 +53,8 @@ def test_moe_exchange_chunks_bound_the_expert_parallel_buffers():
   whole = memory.activation_bytes(_text(m3_config, arg.format(0)), mesh, batch=4, seq_len=1048576)
   chunked = memory.activation_bytes(_text(m3_config, arg.format(4096)), mesh, batch=4, seq_len=1048576)
   n, slots, width = 65536, 3 * 4 * 4, 6144 + 3 * 3072 / 4
-  assert whole["layer_work"] - chunked["layer_work"] == (n - 4096) * slots * width * (2 + 4)
-  for k in ("layer_inputs", "gathered_kv", "logits", "weight_gather"):
+  assert whole["mlp"] - chunked["mlp"] == (n - 4096) * slots * width * (2 + 4)
+  for k in ("layer_inputs", "attention", "logits", "weight_gather"):
     assert whole[k] == chunked[k], k
 
 

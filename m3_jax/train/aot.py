@@ -10,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from m3_jax.core import sharding
 from m3_jax.core.batch import TEXT_KEYS
@@ -82,8 +83,12 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   text = config_lib.text_config(cfg)
   modelled = memory.model_bytes(text, dict(mesh.shape), b, t, params_b["per_device"] + opt_b["per_device"],
                                 params_b["per_device"], loss_chunk)
+  # The longest sequence this mesh and batch would fit by the model (in 64K steps, a multiple of 2 x context).
+  step_tokens = int(np.lcm(65536, 2 * int(mesh.shape.get("context", 1))))
+  longest = memory.longest_sequence(text, dict(mesh.shape), b, params_b["per_device"] + opt_b["per_device"],
+                                    params_b["per_device"], H200_BYTES, loss_chunk, multiple=step_tokens)
   report = {
-      "memory_model_bytes_per_device": modelled,
+      "memory_model_bytes_per_device": modelled, "memory_model_longest_seq_len": longest,
       "mesh": dict(mesh.shape), "devices": n, "batch_size": b, "seq_len": t,
       "params_total": counts["total"], "params_active_per_token": counts["active"],
       "param_bytes_per_device": params_b["per_device"], "param_bytes_global": params_b["global"],
@@ -112,7 +117,9 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
               + (f"fits one H200 ({_gib(H200_BYTES)})" if total <= H200_BYTES
                  else f"does NOT fit one H200 ({_gib(H200_BYTES)}), {_gib(total - H200_BYTES)} over"),
               f"memory model          {memory.fmt(modelled)} ({modelled['total'] / total:.2f}x the compiled "
-              "total; train/memory.py)"]
+              "total; train/memory.py)",
+              f"longest sequence      {longest:,} tokens per sequence at this mesh and batch by the memory model "
+              f"(within {_gib(H200_BYTES)} per device)"]
   lines += [f"lowered in {t_lower:.1f}s, compiled in {t_compile:.1f}s"]
   print("\n".join(lines), flush=True)
   os.makedirs(workdir, exist_ok=True)

@@ -4,18 +4,24 @@ The AOT report (train/aot.py) prints it beside XLA's compiled memory analysis, s
 compile; `longest_sequence` inverts it (how long a sequence fits per device count, before compiling anything).
 State (parameters, AdamW moments, gradients) is counted exactly from the shardings; activations are modelled for
 the layouts we train long contexts with: `remat=True` (every layer's input saved, one layer recomputed at a time in
-the backward), bf16 or f32 compute, context parallelism over `context`.
+the backward), bf16 or f32 compute, context parallelism over `context`. The terms were read off XLA's buffer
+assignment (`--xla_dump_to`: the memory-usage report) of small_msa and M3 at 128K-1M tokens.
 
-Terms (per device; n = local tokens = batch x T / (batch axes x context), S = T, tp = tensor, dt = compute bytes):
+Per device; n = local tokens = batch x T / (batch axes x context), S = T, tp = tensor, dt = compute bytes. Always
+live in the backward:
   state              params + moments (exact), + one f32 gradient the size of the params
   layer_inputs       L x n x d x dt                  the saved residual stream, one copy per layer (full remat)
-  layer_work         one layer recomputed and differentiated: n x (per-token widths of q, k, v, attention out,
-                     the MLP's hidden (f32 gate/up products), the MoE's slots; with moe_chunk_tokens the slots of
-                     one chunk) x (dt + 4): each value and its f32 gradient, the largest layer type counted
-  gathered_kv        context > 1: the all-gathered keys of one layer, S x (2 Hkv / tp x D + index dim) x (dt + 4)
-                     (values and the f32 gradients that are reduce-scattered back)
+  weight_gather      FSDP (and context): one layer's weights gathered in dt, twice (forward and recompute)
+and the largest of three phases, which are not live at the same time:
+  attention          one attention layer recomputed and differentiated: n x (q, k, v, out, index q/k widths) x
+                     (dt + 4), each value and its f32 gradient; with context > 1 plus the whole sequence's keys
+                     (`gathered_keys`): S x 2 Hkv / tp x D x (2 dt + 8) (the gathered K and V, their block-major
+                     copies, f32 upcasts and f32 gradients before the reduce-scatter), the MSA index key
+                     S x d_idx x (dt + 8), and MSA's recall diagnostics: msa_metric_queries x Hq / tp x S x 4 B x 3
+                     (scores, probabilities and masks of the sampled queries against every key)
+  mlp                one MLP recomputed and differentiated: n x (gate, up (f32 products), hidden) x (dt + 4); the
+                     MoE's slots (with moe_chunk_tokens those of one chunk)
   logits             loss_chunk (or n) x V / tp x 4 x 3: f32 logits, their softmax and gradient
-  weight_gather      FSDP: one layer's weights gathered in dt, twice (forward and the backward's recompute)
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ def _itemsize(dtype: str) -> int:
 
 
 def activation_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int, loss_chunk: int = 0) -> dict:
-  """The modelled activation terms (module docstring) in bytes per device."""
+  """The modelled activation terms (module docstring) in bytes per device; `gathered_keys` is the part of
+  `attention` that scales with the whole sequence."""
   ctx = int(mesh_shape.get("context", 1))
   tp = int(mesh_shape.get("tensor", 1))
   ep = int(mesh_shape.get("expert", 1))
@@ -44,10 +51,17 @@ def activation_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int
   dt, d, hd = _itemsize(cfg.dtype), cfg.hidden_size, cfg.head_dim
   hq, hkv = cfg.num_attention_heads / tp, max(cfg.num_key_value_heads / tp, 1)
   grad = dt + 4  # a value in the compute dtype and its f32 gradient
-  attn = (2 * hq + 2 * hkv) * hd  # q, out, k, v per token
+  attn = (2 * hq + 2 * hkv) * hd + 4 * d  # q, out, k, v per token, + norms and the residual adds
   msa = any(issubclass(attention_class(lt), MSAAttention) for lt in cfg.layer_types)
   if msa:
     attn += (hkv + 1) * cfg.index_head_dim  # index queries (one head per group) and the index key
+  gathered = 0.0
+  if ctx > 1:
+    s_keys = batch / batch_axes * seq_len  # the gathered sequences of this device's rows
+    gathered = s_keys * 2 * hkv * hd * (2 * dt + 8)
+    if msa:
+      gathered += s_keys * cfg.index_head_dim * (dt + 8)
+      gathered += cfg.msa_metric_queries * hq * s_keys * 4 * 3
   mlp_dense = 3 * cfg.dense_intermediate_size / tp  # gate, up (f32 products) and the hidden
   k, e = cfg.num_experts_per_tok, cfg.num_local_experts
   # expert parallel: a send, a receive and a return buffer of min(k, E / ep) slots per token and shard, for the
@@ -56,25 +70,29 @@ def activation_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int
   moe_rows = min(n, cfg.moe_chunk_tokens) if cfg.moe_impl == "expert_parallel" and cfg.moe_chunk_tokens else n
   moe = moe_rows * slots * (d + 3 * cfg.intermediate_size / tp) + n * 3 * cfg.shared_intermediate_size / tp
   has_moe = any(t != MLP_DENSE for t in cfg.mlp_layer_types)
-  mlp = max(n * mlp_dense, moe if has_moe else 0)
-  terms = {
-      "layer_inputs": cfg.num_hidden_layers * n * d * dt,
-      "layer_work": (n * (attn + 4 * d) + mlp) * grad,  # + norms and the residual adds
-      "gathered_kv": 0.0 if ctx == 1 else seq_len * (2 * hkv * hd + (cfg.index_head_dim if msa else 0)) * grad,
-      "logits": (loss_chunk or n) * (cfg.vocab_size / tp) * 4 * 3,
-  }
   counts = param_count(cfg)
   fsdp = int(mesh_shape.get("fsdp", 1)) * ctx
   per_layer = (counts["total"] - 2 * cfg.vocab_size * d) / cfg.num_hidden_layers
-  terms["weight_gather"] = 0.0 if fsdp == 1 else 2 * per_layer / (tp * ep) * dt
-  return terms
+  return {
+      "layer_inputs": cfg.num_hidden_layers * n * d * dt,
+      "weight_gather": 0.0 if fsdp == 1 else 2 * per_layer / (tp * ep) * dt,
+      "attention": n * attn * grad + gathered,
+      "gathered_keys": gathered,
+      "mlp": max(n * mlp_dense, moe if has_moe else 0) * grad,
+      "logits": (loss_chunk or n) * (cfg.vocab_size / tp) * 4 * 3,
+  }
+
+
+PHASES = ("attention", "mlp", "logits")
 
 
 def model_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int, state_bytes: float,
                 param_bytes: float, loss_chunk: int = 0) -> dict:
-  """All terms, with state = params + optimizer (exact, from the shardings) + an f32 gradient of the params."""
+  """All terms, with state = params + optimizer (exact, from the shardings) + an f32 gradient of the params, and
+  total = state + layer_inputs + weight_gather + the largest phase."""
   terms = {"state": state_bytes + param_bytes, **activation_bytes(cfg, mesh_shape, batch, seq_len, loss_chunk)}
-  terms["total"] = sum(terms.values())
+  terms["total"] = (terms["state"] + terms["layer_inputs"] + terms["weight_gather"]
+                    + max(terms[p] for p in PHASES))
   return terms
 
 
@@ -97,6 +115,10 @@ def longest_sequence(cfg: TextConfig, mesh_shape: dict, batch: int, state_bytes:
 
 
 def fmt(terms: dict) -> str:
-  return ", ".join(f"{k} {v / GIB:,.2f}" for k, v in terms.items() if k != "total") + \
-      f" -> {terms['total'] / GIB:,.2f} GiB"
-
+  peak = max(PHASES, key=lambda p: terms[p])
+  phases = ", ".join(f"{p} {terms[p] / GIB:,.2f}" + (f" (gathered keys {terms['gathered_keys'] / GIB:,.2f})"
+                                                       if p == "attention" and terms["gathered_keys"] else "")
+                     for p in PHASES)
+  return (f"state {terms['state'] / GIB:,.2f}, layer_inputs {terms['layer_inputs'] / GIB:,.2f}, weight_gather "
+          f"{terms['weight_gather'] / GIB:,.2f}, + the largest phase of [{phases}]: {peak} -> "
+          f"{terms['total'] / GIB:,.2f} GiB")

@@ -60,6 +60,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implem
   try:
     import tokamax  # optional: not in requirements.lock (it brings xprof and pydantic)
   except ImportError as e:
-    raise ImportError("grouped_matmul(implementation='tokamax') needs the tokamax package (pip install tokamax); "
+    raise ImportError(f"grouped_matmul(implementation='tokamax') could not import tokamax ({e}); it needs the "
+                      "tokamax package and its dependencies (pip install tokamax: xprof needs fire, among others); "
                       "'mosaic' uses the same kind of Hopper kernels from JAX itself") from e
   return tokamax.ragged_dot(x, w, group_sizes).astype(out)
