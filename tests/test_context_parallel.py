@@ -67,10 +67,11 @@ msa = msa_cfg(vocab_size=lm.vocab_size, mlp_layer_types=["dense", "dense"], inde
 lm_ep = lm.replace(moe_impl="expert_parallel", moe_chunk_tokens=8)
 # one KV group (M3's layout is G=16 per group): constant diagnostics, and metrics on some steps only (a lax.cond)
 msa_g4 = msa.replace(num_key_value_heads=1, index_n_heads=1, msa_metrics_every=3)
-cases = [("lm", lm, True, {"context": 4, "data": 2}), ("lm", lm, False, {"context": 8}),
-         ("lm_ep", lm_ep, True, {"context": 2, "expert": 2, "data": 2}),
-         ("msa", msa, False, {"context": 4, "data": 2}), ("msa", msa, True, {"context": 8}),
-         ("msa", msa, True, {"context": 4, "tensor": 2}), ("msa_g4", msa_g4, True, {"context": 8})]
+# both models, both layouts of the issue (context 4 x data 2, context 8), packed documents and not
+cases = [(name, cfg, packed, shape) for name, cfg in (("lm", lm), ("msa", msa)) for packed in (True, False)
+         for shape in ({"context": 4, "data": 2}, {"context": 8})]
+cases += [("lm_ep", lm_ep, True, {"context": 2, "expert": 2, "data": 2}),
+          ("msa", msa, True, {"context": 4, "tensor": 2}), ("msa_g4", msa_g4, True, {"context": 8})]
 out = {"devices": jax.device_count(), "cases": []}
 refs = {}
 for name, cfg, packed, shape in cases:
