@@ -19,11 +19,12 @@ def test_small_msa_terms_at_one_million_tokens_match_hand_arithmetic():
   terms = memory.activation_bytes(cfg, {"context": 8}, batch=1, seq_len=t, loss_chunk=8192)
   # 8 layers' bf16 inputs of width 1024 for the local tokens
   assert terms["layer_inputs"] == 8 * n * 1024 * 2 == 2 * GIB
+  # the recall diagnostics: 64 sampled queries x 8 heads against every key, f32 scores, probabilities and masks;
   # the whole sequence's K and V (2 KV heads x 128): gathered and block-major bf16 copies, f32 upcasts and
-  # gradients; the MSA index key (128): bf16, f32 and its f32 gradient; the recall diagnostics: 64 sampled queries
-  # x 8 heads against every key, f32 scores, probabilities and masks
-  gathered = t * 2 * 2 * 128 * (2 + 2 + 4 + 4) + t * 128 * (2 + 4 + 4) + 64 * 8 * t * 4 * 3
-  assert terms["gathered_keys"] == gathered
+  # gradients; the MSA index key (128): bf16, f32 and its f32 gradient
+  diagnostics = 64 * 8 * t * 4 * 3
+  gathered = t * 2 * 2 * 128 * (2 + 2 + 4 + 4) + t * 128 * (2 + 4 + 4) + diagnostics
+  assert terms["whole_sequence"] == gathered
   # per local token: q and out (8 x 128 each), k and v (2 x 128 each), index queries (2 groups) and key (128
   # each), 4 residual-width values; each in bf16 with an f32 gradient
   assert terms["attention"] == n * (2 * 8 * 128 + 2 * 2 * 128 + 3 * 128 + 4 * 1024) * 6 + gathered
@@ -39,10 +40,11 @@ def test_small_msa_terms_at_one_million_tokens_match_hand_arithmetic():
   # the phases are not live together: the total takes the largest (attention here) beside what is always live
   total = memory.model_bytes(cfg, {"context": 8}, 1, t, 3.0, 1.0, 8192)
   assert total["total"] == 4.0 + terms["layer_inputs"] + terms["weight_gather"] + terms["attention"]
-  # context=1: no gathered keys, nothing gathered per layer, the local tokens are the whole (8x shorter) sequence
+  # context=1: no gathered keys (the diagnostics remain, over the 8x shorter sequence), nothing gathered per layer
   one = memory.activation_bytes(cfg, {"context": 1}, batch=1, seq_len=t // 8, loss_chunk=8192)
-  assert one["gathered_keys"] == 0 and one["weight_gather"] == 0
-  assert one["layer_inputs"] == terms["layer_inputs"] and one["attention"] == terms["attention"] - gathered
+  assert one["whole_sequence"] == diagnostics / 8 and one["weight_gather"] == 0
+  assert one["layer_inputs"] == terms["layer_inputs"]
+  assert one["attention"] == terms["attention"] - gathered + diagnostics / 8
 
 
 def test_moe_exchange_chunks_bound_the_expert_parallel_buffers():

@@ -14,11 +14,12 @@ live in the backward:
   weight_gather      FSDP (and context): one layer's weights gathered in dt, twice (forward and recompute)
 and the largest of three phases, which are not live at the same time:
   attention          one attention layer recomputed and differentiated: n x (q, k, v, out, index q/k widths) x
-                     (dt + 4), each value and its f32 gradient; with context > 1 plus the whole sequence's keys
-                     (`gathered_keys`): S x 2 Hkv / tp x D x (2 dt + 8) (the gathered K and V, their block-major
-                     copies, f32 upcasts and f32 gradients before the reduce-scatter), the MSA index key
-                     S x d_idx x (dt + 8), and MSA's recall diagnostics: msa_metric_queries x Hq / tp x S x 4 B x 3
-                     (scores, probabilities and masks of the sampled queries against every key)
+                     (dt + 4), each value and its f32 gradient; plus what scales with the whole sequence
+                     (`whole_sequence`): MSA's recall diagnostics, msa_metric_queries x Hq / tp x S x 4 B x 3
+                     (scores, probabilities and masks of the sampled queries against every key), and with
+                     context > 1 the gathered keys, S x 2 Hkv / tp x D x (2 dt + 8) (K and V, their block-major
+                     copies, f32 upcasts and f32 gradients before the reduce-scatter) and the MSA index key
+                     S x d_idx x (dt + 8)
   mlp                one MLP recomputed and differentiated: n x (gate, up (f32 products), hidden) x (dt + 4); the
                      MoE's slots (with moe_chunk_tokens those of one chunk)
   logits             loss_chunk (or n) x V / tp x 4 x 3: f32 logits, their softmax and gradient
@@ -41,8 +42,8 @@ def _itemsize(dtype: str) -> int:
 
 
 def activation_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int, loss_chunk: int = 0) -> dict:
-  """The modelled activation terms (module docstring) in bytes per device; `gathered_keys` is the part of
-  `attention` that scales with the whole sequence."""
+  """The modelled activation terms (module docstring) in bytes per device; `whole_sequence` is the part of
+  `attention` that scales with the whole sequence (S), not with the device's share of it (n)."""
   ctx = int(mesh_shape.get("context", 1))
   tp = int(mesh_shape.get("tensor", 1))
   ep = int(mesh_shape.get("expert", 1))
@@ -55,13 +56,11 @@ def activation_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int
   msa = any(issubclass(attention_class(lt), MSAAttention) for lt in cfg.layer_types)
   if msa:
     attn += (hkv + 1) * cfg.index_head_dim  # index queries (one head per group) and the index key
-  gathered = 0.0
-  if ctx > 1:
-    s_keys = batch / batch_axes * seq_len  # the gathered sequences of this device's rows
-    gathered = s_keys * 2 * hkv * hd * (2 * dt + 8)
-    if msa:
-      gathered += s_keys * cfg.index_head_dim * (dt + 8)
-      gathered += cfg.msa_metric_queries * hq * s_keys * 4 * 3
+  s_keys = batch / batch_axes * seq_len  # keys of this device's rows: their whole sequences
+  # MSA's recall diagnostics, compiled into every step (a cond picks the steps they run on)
+  whole = cfg.msa_metric_queries * hq * s_keys * 4 * 3 if msa else 0.0
+  if ctx > 1:  # the gathered keys
+    whole += s_keys * 2 * hkv * hd * (2 * dt + 8) + (s_keys * cfg.index_head_dim * (dt + 8) if msa else 0.0)
   mlp_dense = 3 * cfg.dense_intermediate_size / tp  # gate, up (f32 products) and the hidden
   k, e = cfg.num_experts_per_tok, cfg.num_local_experts
   # expert parallel: a send, a receive and a return buffer of min(k, E / ep) slots per token and shard, for the
@@ -76,8 +75,8 @@ def activation_bytes(cfg: TextConfig, mesh_shape: dict, batch: int, seq_len: int
   return {
       "layer_inputs": cfg.num_hidden_layers * n * d * dt,
       "weight_gather": 0.0 if fsdp == 1 else 2 * per_layer / (tp * ep) * dt,
-      "attention": n * attn * grad + gathered,
-      "gathered_keys": gathered,
+      "attention": n * attn * grad + whole,
+      "whole_sequence": whole,
       "mlp": max(n * mlp_dense, moe if has_moe else 0) * grad,
       "logits": (loss_chunk or n) * (cfg.vocab_size / tp) * 4 * 3,
   }
@@ -116,8 +115,8 @@ def longest_sequence(cfg: TextConfig, mesh_shape: dict, batch: int, state_bytes:
 
 def fmt(terms: dict) -> str:
   peak = max(PHASES, key=lambda p: terms[p])
-  phases = ", ".join(f"{p} {terms[p] / GIB:,.2f}" + (f" (gathered keys {terms['gathered_keys'] / GIB:,.2f})"
-                                                       if p == "attention" and terms["gathered_keys"] else "")
+  phases = ", ".join(f"{p} {terms[p] / GIB:,.2f}" + (f" (whole sequence {terms['whole_sequence'] / GIB:,.2f})"
+                                                       if p == "attention" and terms["whole_sequence"] else "")
                      for p in PHASES)
   return (f"state {terms['state'] / GIB:,.2f}, layer_inputs {terms['layer_inputs'] / GIB:,.2f}, weight_gather "
           f"{terms['weight_gather'] / GIB:,.2f}, + the largest phase of [{phases}]: {peak} -> "
