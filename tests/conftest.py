@@ -32,6 +32,12 @@ def pytest_configure(config: pytest.Config) -> None:
   # tests start (they inherit the variable): the same tiny programs are compiled again by many tests (each trainer
   # run, each resume). Fresh per session and removed after it, so no test ever reads another session's entries.
   # Set before any test module imports jax; an explicit JAX_COMPILATION_CACHE_DIR is left alone.
+  # XLA:CPU's LLVM optimisation off for the session and the subprocesses that inherit XLA_FLAGS: the test programs
+  # run for milliseconds but compile for seconds (the whole suite: 16.3 -> 13.0 min on 2 cores, every test passing
+  # at unchanged tolerances; buffer assignment, which the memory tests read, is decided before LLVM).
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_backend_optimization_level" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
   if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     cache = tempfile.mkdtemp(prefix="m3_jax_test_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache

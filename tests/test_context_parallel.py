@@ -96,7 +96,8 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_context_parallel_matches_one_device():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
   p = subprocess.run([sys.executable, "-c", EIGHT_DEVICES], cwd=REPO, env=env, capture_output=True, text=True,
                      timeout=600)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
