@@ -30,12 +30,9 @@ def data_dir(tmp_path_factory):
 
 
 def start(argv: list[str]) -> subprocess.Popen:
-  # XLA's LLVM optimisation off (a subprocess: the flag is read when the backend starts): these programs run for
-  # milliseconds but compile for seconds
-  flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  # XLA_FLAGS (LLVM optimisation off) is inherited from tests/conftest.py
   return subprocess.Popen([sys.executable, "-m", "experiments.long_context", *argv], cwd=REPO, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 def finish(p: subprocess.Popen) -> str:

@@ -93,7 +93,7 @@ def test_batch_with_padding_items_matches_hf(segments_batch, hf_segments_model):
   logits, aux = forward(model, jnp.asarray(batch["inputs"]), **_jnp(batch), capture_attention=True)
   # Two float32 computations, each rounded its own way: against this model run in float64 (hf.load(dtype=
   # "float64") under jax_enable_x64), HF's stored logits are off by up to 8.2e-6 and ours by up to 6.1e-6 on this
-  # batch (6 layers, 3 vision towers' worth of tokens), so |ours - HF| may reach their sum; 1e-5 failed by 1e-7.
+  # batch, so |ours - HF| may reach their sum; 1e-5 failed by 1e-7.
   np.testing.assert_allclose(np.asarray(logits), r["logits"], atol=2 * ATOL, rtol=0)
   # text -> visual attention mass: the same average, computed here from HF's eager attention probabilities
   ids = r["input_ids"]

@@ -330,10 +330,9 @@ def test_driver_micro_smoke(data_dir, tmp_path):
          f"--data_dir={data_dir}", f"--sweep_dir={sweep}"]
   for k, v in OVERRIDES.items():
     cmd += ["--override", f"{k}={v}"]
-  # XLA's LLVM optimisation off: these programs run for milliseconds but compile for seconds
-  flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  # XLA_FLAGS (LLVM optimisation off) is inherited from tests/conftest.py
   p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   assert "[native_vs_cpt] run 2/2: cpt_predecay_lr0.3 seed 0" in p.stdout
 
@@ -379,7 +378,7 @@ def test_driver_micro_smoke(data_dir, tmp_path):
   with open(path, "w") as f:
     json.dump(analysis, f)
   p = subprocess.run(cmd + ["--report_only"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   assert "cpt_predecay_lr0.3_s0 trained 7 of 10 steps: left out" in p.stdout
   with open(os.path.join(sweep, "report.md")) as f:

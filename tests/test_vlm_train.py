@@ -300,10 +300,9 @@ def test_vit3d_frames_sweep_smoke(vl_data, tmp_path):
          "--override", "data.use_builtin=False", "--override", "data.text_files=licenses=" + ",".join(license_texts()),
          "--override", "data.vocab_size=512", "--override", "model.vocab_size=512",
          "--override", f"data.mm.prepare_sources={VISION_SOURCES}", "--override", f"data.mm.max_items={MAX_ITEMS}"]
-  # XLA's LLVM optimisation off: these programs run for milliseconds but compile for seconds
-  flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  # XLA_FLAGS (LLVM optimisation off) is inherited from tests/conftest.py
   p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags))
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   with open(os.path.join(sweep, "results.json")) as f:
     res = json.load(f)["settings"]

@@ -4,13 +4,13 @@ be sharded, and how many bytes each device would hold. Nothing is allocated: the
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from m3_jax.core import sharding
 from m3_jax.core.batch import TEXT_KEYS
@@ -84,7 +84,7 @@ def compile_report(config: ml_collections.ConfigDict, workdir: str) -> dict:
   modelled = memory.model_bytes(text, dict(mesh.shape), b, t, params_b["per_device"] + opt_b["per_device"],
                                 params_b["per_device"], loss_chunk)
   # The longest sequence this mesh and batch would fit by the model (in 64K steps, a multiple of 2 x context).
-  step_tokens = int(np.lcm(65536, 2 * int(mesh.shape.get("context", 1))))
+  step_tokens = math.lcm(65536, 2 * int(mesh.shape.get("context", 1)))
   longest = memory.longest_sequence(text, dict(mesh.shape), b, params_b["per_device"] + opt_b["per_device"],
                                     params_b["per_device"], H200_BYTES, loss_chunk, multiple=step_tokens)
   report = {
