@@ -108,6 +108,79 @@ def test_training_rows_mix_task_rows_with_loss_on_the_answer(corpus):
     assert question.count(answer.strip().split(", ")[0]) >= 1  # the answer is in the context
 
 
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+  """[start, end) of each run of True in a 1-D bool array."""
+  edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+  return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
+
+
+def _in_haystack(hay: lt.Haystack, run: np.ndarray) -> bool:
+  """Whether `run` is a contiguous piece of the haystack's tokens (a window may wrap around the end)."""
+  doubled = np.concatenate([hay.tokens, hay.tokens]).astype(np.int32).tobytes()
+  at = doubled.find(run.astype(np.int32).tobytes())
+  while at >= 0 and at % 4:
+    at = doubled.find(run.astype(np.int32).tobytes(), at + 1)
+  return at >= 0
+
+
+NEEDLE_WORDS = ("pass key", "special number", "value of key", "VAR ")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_training_row_asks_each_question_once_about_its_haystack(corpus, seed):
+  d, tok, _ = corpus
+  hay = lt.Haystack.from_corpus(d, tokenizer=tok, split="train")
+  q, length = 5, 1500
+  toks, kinds = lt.make_training_row(lt.TASKS, haystack=hay, tokenizer=tok, length=length, seed=seed, questions=q)
+  again = lt.make_training_row(lt.TASKS, haystack=hay, tokenizer=tok, length=length, seed=seed, questions=q)
+  np.testing.assert_array_equal(toks, again[0])
+  np.testing.assert_array_equal(kinds, again[1])
+  assert toks.shape == kinds.shape == (length,) and toks[-1] == EOT and kinds[-1] == lt.ANSWER
+  answers = _runs(kinds == lt.ANSWER)
+  assert len(answers) == q  # the last run ends with <|endoftext|>
+  first = answers[0][0]
+  context = tok.decode(toks[:first])
+  assert context.count("What is the pass key?") <= 1
+  for a, b in answers:
+    answer = tok.decode(toks[a:b][toks[a:b] != EOT])
+    assert answer.startswith(" ") and tok.decode(toks[:a]).rstrip().endswith((" is", " are"))
+    for item in answer.strip().split(", "):
+      # a value stands in its needle exactly once; a variable name in its one assignment "VAR X ="
+      anchor = f"VAR {item} =" if item.isalpha() and item.isupper() else item
+      assert context.count(anchor) == 1, (seed, item)
+  for a, b in _runs(kinds == lt.HAYSTACK):
+    assert _in_haystack(hay, toks[a:b])
+    assert not any(w in tok.decode(toks[a:b]) for w in NEEDLE_WORDS)
+  assert (kinds[first:] != lt.HAYSTACK).all()  # the questions come after the whole haystack
+  with pytest.raises(ValueError, match="one pass key"):
+    lt.make_training_row(["passkey"], haystack=hay, tokenizer=tok, length=length, seed=0, questions=2)
+  with pytest.raises(ValueError, match="too short"):
+    lt.make_training_row(lt.TASKS, haystack=hay, tokenizer=tok, length=200, seed=0, questions=q)
+
+
+def test_task_rows_loss_on_answers_and_optionally_the_haystack(corpus):
+  d, tok, _ = corpus
+  hay = lt.Haystack.from_corpus(d, tokenizer=tok, split="train")
+  kw = dict(seq_len=2047, seed=4, tasks=("single_key", "kv", "vt"), questions=4)
+  answers_only, with_text = lt.TaskRows(hay, tok, **kw), lt.TaskRows(hay, tok, text_loss=True, **kw)
+  for i in range(3):
+    a, t = answers_only[i], with_text[i]
+    np.testing.assert_array_equal(a["inputs"], t["inputs"])
+    np.testing.assert_array_equal(a["targets"][:-1], a["inputs"][1:])
+    on, on_text = a["loss_mask"] > 0, t["loss_mask"] > 0
+    runs = _runs(on)
+    assert len(runs) == 4 and a["targets"][-1] == EOT and on[-1]
+    for s, e in runs:  # each masked run is an answer right after its question
+      assert tok.decode(a["inputs"][:s + 1]).rstrip().endswith((" is", " are"))
+    extra = on_text & ~on
+    assert (on_text >= on).all() and extra.sum() > 0.5 * len(extra)
+    for s, e in _runs(extra):
+      assert _in_haystack(hay, t["targets"][s:e])
+      assert not any(w in tok.decode(t["targets"][s:e]) for w in NEEDLE_WORDS)
+  with pytest.raises(ValueError, match="too short"):
+    lt.TaskRows(hay, tok, seq_len=300, seed=0, tasks=lt.TASKS, questions=8)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # python -m m3_jax.eval_long
 # ---------------------------------------------------------------------------------------------------------------

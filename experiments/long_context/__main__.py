@@ -21,6 +21,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                   f"{', '.join(sweep.MAIN_ARMS)}; 0 for the others)")
   ap.add_argument("--task_share", type=float, default=0.0, help="share of training rows that are task rows")
   ap.add_argument("--tasks", default="passkey,single_key,kv", help="task rows' tasks (with --task_share > 0)")
+  ap.add_argument("--task_questions", type=int, default=1, help="questions per task row (data.tasks.questions)")
+  ap.add_argument("--task_text_loss", action="store_true", help="task rows train on their haystack text too")
   ap.add_argument("--eval_tasks", default="passkey,single_key,kv", help="retrieval tasks evaluated")
   ap.add_argument("--lengths", default="", help="evaluation lengths (default: training length, 2x, 4x)")
   ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")

@@ -38,6 +38,13 @@ def _fmt(m: dict | None, digits: int = 4) -> str:
   return s + (f" ± {m['std']:.{digits}f}" if m["std"] is not None else "") + f" (n={m['n']})"
 
 
+def _row_format(meta: dict) -> str:
+  q, text = int(meta.get("task_questions", 1)), bool(meta.get("task_text_loss", False))
+  if q == 1 and not text:
+    return ""
+  return f", {q} questions per row" + (", loss on the haystack text too" if text else "")
+
+
 def write_report(sweep_dir: str, runs: dict, meta: dict, missing: list[str]) -> tuple[str, list[str]]:
   t = _tables(runs, meta)
   summary, floors = t["summary"], t["noise_floors"]
@@ -47,7 +54,8 @@ def write_report(sweep_dir: str, runs: dict, meta: dict, missing: list[str]) -> 
   tasks = sorted({task for by in runs.values() for r in by.values() for task in r["accuracy"]})
   L = ["# MSA fidelity study (issue 19)", "",
        f"Size `{meta['size']}` on {meta['device']}: {meta['steps']} steps x batch {meta['batch_size']} x "
-       f"{meta['seq_len']} tokens; task rows {meta['task_share']:.0%} ({meta['train_tasks'] or 'none'}); "
+       f"{meta['seq_len']} tokens; task rows {meta['task_share']:.0%} ({meta['train_tasks'] or 'none'}"
+       f"{_row_format(meta)}); "
        f"retrieval tasks {meta['eval_tasks']} at lengths {lengths}, depths {meta['depths']}, {meta['samples']} "
        f"samples per (task, length, depth). dense_to_msa: dense for {meta['convert_at']:.0%} of the steps, then MSA "
        f"with indexer warmup over {meta['convert_warmup']:.0%} of the rest.", ""]

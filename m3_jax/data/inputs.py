@@ -157,8 +157,11 @@ def train_iterator(config: ConfigDict, vision_cfg: Any) -> Iterator[dict]:
                 process_index=jax.process_index(), process_count=jax.process_count(), num_workers=int(d.num_workers))
   share = float(d.tasks.share) if "tasks" in d else 0.0
   if vision_cfg is None:
-    return iter(text_pipeline.make_train_dataset(d.dir, task_share=share, tasks=str(d.tasks.names) if share else "",
-                                                 **common))
+    kw = {}
+    if share:
+      kw = dict(tasks=str(d.tasks.names), task_questions=int(d.tasks.get("questions", 1)),
+                task_text_loss=bool(d.tasks.get("text_loss", False)))
+    return iter(text_pipeline.make_train_dataset(d.dir, task_share=share, **kw, **common))
   if share:
     raise ValueError(f"data.tasks.share={share}: long-context task rows are for text configs only")
   m = d.mm

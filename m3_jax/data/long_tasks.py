@@ -45,8 +45,8 @@ from m3_jax.core.batch import EOT
 from m3_jax.data.common import seed32
 from m3_jax.data.text_prepare import load_manifest, load_tokenizer
 
-__all__ = ["TASKS", "Example", "Haystack", "TaskRows", "make_example", "min_length", "mix_task_rows",
-           "parse_tasks"]
+__all__ = ["TASKS", "Example", "Haystack", "TaskRows", "make_example", "make_training_row", "min_length",
+           "mix_task_rows", "parse_tasks"]
 
 TASKS: tuple[str, ...] = ("passkey", "single_key", "multi_key", "multi_value", "kv", "vt")
 DISTRACTORS = 3  # multi_key and kv: needles of other keys
@@ -208,6 +208,7 @@ class _Draw:
   answer_needles: list[int]  # needles holding an answer item; their text order gives the answer order
   anchors: list[str]
   sep: str  # between answer items
+  keys: list[str]  # what the needles are about (keys, ids, variables): distinct across a row's draws
 
 
 def _number(rng: np.random.Generator, digits: int) -> str:
@@ -235,25 +236,25 @@ def _draw(task: str, rng: np.random.Generator) -> _Draw:
   if task == "passkey":
     v = _number(rng, 5)
     return _Draw([f" The pass key is {v}. Remember it."], [False], "\nWhat is the pass key? The pass key is",
-                 [v], [0], [v], ", ")
+                 [v], [0], [v], ", ", ["pass key"])
   if task in ("single_key", "multi_key"):
     n = 1 if task == "single_key" else 1 + DISTRACTORS
     keys, vals = _distinct(rng, _key, n), _distinct(rng, lambda r: _number(r, 7), n)
     needles = [f" The special number for {k} is {v}." for k, v in zip(keys, vals)]
     return _Draw(needles, [False] * n, f"\nWhat is the special number for {keys[0]}? The special number for "
-                 f"{keys[0]} is", [vals[0]], [0], vals, ", ")
+                 f"{keys[0]} is", [vals[0]], [0], vals, ", ", keys)
   if task == "multi_value":
     k, vals = _key(rng), _distinct(rng, lambda r: _number(r, 7), VALUES)
     needles = [f" One of the special numbers for {k} is {v}." for v in vals]
     return _Draw(needles, [False] * VALUES, f"\nWhat are all the special numbers for {k}? The special numbers "
-                 f"for {k} are", vals, list(range(VALUES)), vals, ", ")
+                 f"for {k} are", vals, list(range(VALUES)), vals, ", ", [k])
   if task == "kv":
     n = 1 + DISTRACTORS
     ids = _distinct(rng, _hex, 2 * n)
     keys, vals = ids[:n], ids[n:]
     needles = [f" The value of key {k} is {v}." for k, v in zip(keys, vals)]
     return _Draw(needles, [False] * n, f"\nWhat is the value of key {keys[0]}? The value of key {keys[0]} is",
-                 [vals[0]], [0], vals, ", ")
+                 [vals[0]], [0], vals, ", ", keys)
   if task == "vt":
     names = _distinct(rng, lambda r: "".join(_LETTERS[i] for i in r.integers(26, size=5)), 2 * (HOPS + 1))
     v, w = _distinct(rng, lambda r: _number(r, 5), 2)
@@ -262,7 +263,8 @@ def _draw(task: str, rng: np.random.Generator) -> _Draw:
     needles += [f" VAR {other[0]} = {w}."] + [f" VAR {b} = {a}." for a, b in zip(other[:-1], other[1:])]
     after = [False] + [True] * HOPS + [False] * (HOPS + 1)
     return _Draw(needles, after, f"\nWhich variables are assigned the value {v}? The variables assigned the "
-                 f"value {v} are", chain, list(range(HOPS + 1)), [f"VAR {x} =" for x in names], ", ")
+                 f"value {v} are", chain, list(range(HOPS + 1)), [f"VAR {x} =" for x in names], ", ",
+                 names + [v, w])
   raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
 
 
@@ -293,6 +295,21 @@ def _insert(hay: np.ndarray, bounds: np.ndarray, needles: list[np.ndarray], at: 
   return np.concatenate(parts).astype(np.int32), starts
 
 
+def _place(d: _Draw, bounds: np.ndarray, first: int, rng: np.random.Generator) -> list[int]:
+  """Haystack offsets of a draw's needles: the first at `first`, a chain's hops after it in chain order, the
+  others at any other boundary."""
+  at = [first]
+  others = bounds[bounds != first] if bounds.size > 1 else bounds
+  later = bounds[bounds >= first]
+  for after in d.after_first[1:]:
+    at.append(int(rng.choice(later if after else others)))
+  if any(d.after_first):  # a chain's hops in chain order: each assignment after the one it reads
+    hops = [i for i, a in enumerate(d.after_first) if a]
+    for i, v in zip(hops, sorted(at[i] for i in hops)):
+      at[i] = v
+  return at
+
+
 def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, depth: float, seed: int,
                  row: bool = False) -> Example:
   """One example of `task` with exactly `length` prompt tokens (`row=True`: prompt + answer + <|endoftext|> are
@@ -316,15 +333,7 @@ def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, 
                        f"(min_length: {min_length(task, tokenizer)})")
     hay, bounds = haystack.window(rng, h)
     first = int(bounds[np.argmin(np.abs(bounds - depth * h))])  # nearest boundary; ties: the earlier one
-    at = [first]
-    others = bounds[bounds != first] if bounds.size > 1 else bounds
-    later = bounds[bounds >= first]
-    for after in d.after_first[1:]:
-      at.append(int(rng.choice(later if after else others)))
-    if any(d.after_first):  # a chain's hops in chain order: each assignment after the one it reads
-      hops = [i for i, a in enumerate(d.after_first) if a]
-      for i, v in zip(hops, sorted(at[i] for i in hops)):
-        at[i] = v
+    at = _place(d, bounds, first, rng)
     body, starts = _insert(hay, bounds, needles, at)
     prompt = np.concatenate([intro, body, question]).astype(np.int32)
     order = sorted(d.answer_needles, key=lambda i: (starts[i], i))
@@ -345,25 +354,128 @@ def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, 
 # Training rows
 # ---------------------------------------------------------------------------------------------------------------
 
+# Token kinds of a training row (make_training_row): what a loss mask may select.
+OTHER, ANSWER, HAYSTACK = 0, 1, 2
+
+
+def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: Any, length: int, seed: int,
+                      questions: int) -> tuple[np.ndarray, np.ndarray]:
+  """A training row of exactly `length` tokens that asks `questions` questions about one haystack.
+
+  The needles of `questions` draws (each task uniform over `tasks`, at most one passkey per row, since two pass
+  keys would make the question ambiguous) sit at uniformly random sentence boundaries; after the haystack come the
+  draws' questions, each followed by its answer, in random order, then <|endoftext|>. One row thus trains
+  `questions` retrievals at distances spread over the whole row, where an evaluation-format row (`make_example`)
+  trains one; the first question follows the haystack exactly as in an evaluation prompt. Every anchor of every
+  draw occurs exactly once in the intro + haystack part, and no key, id or variable is shared by two draws.
+
+  Returns (tokens int32 [length], kinds int8 [length]: ANSWER for answer tokens and the closing <|endoftext|>,
+  HAYSTACK for real text, OTHER for the intro, needles and questions).
+  """
+  if questions < 1:
+    raise ValueError(f"questions={questions}: expected >= 1")
+  tasks = list(tasks)
+  unknown = [t for t in tasks if t not in TASKS]
+  if unknown or not tasks:
+    raise ValueError(f"tasks {tasks}: expected a non-empty list of {list(TASKS)}")
+  if questions > 1 and all(t == "passkey" for t in tasks):
+    raise ValueError(f"questions={questions} with only passkey: a row holds one pass key (two would be ambiguous)")
+  rng = np.random.default_rng([0x7A5D, int(seed)])
+  for _ in range(64):
+    names: list[str] = []
+    for _q in range(questions):
+      pool = [t for t in tasks if t != "passkey"] if "passkey" in names else tasks
+      names.append(pool[int(rng.integers(len(pool)))])
+    draws = [_draw(t, rng) for t in names]
+    keys = [k for d in draws for k in d.keys]
+    if len(set(keys)) != len(keys):
+      continue
+    intro = np.asarray(_encode(tokenizer, [_INTRO[names[int(rng.integers(questions))]]])[0], np.int32)
+    enc = _encode(tokenizer, [x for d in draws for x in [d.question, *d.needles]])
+    questions_ids, needle_ids, k = [], [], 0
+    for d in draws:
+      questions_ids.append(np.asarray(enc[k], np.int32))
+      needle_ids.append([np.asarray(x, np.int32) for x in enc[k + 1:k + 1 + len(d.needles)]])
+      k += 1 + len(d.needles)
+    # The answers' lengths as first drawn; a multi-item answer is re-joined in text order below, and a row whose
+    # tokenisation then changes length is redrawn.
+    answers0 = _encode(tokenizer, [" " + d.sep.join(d.answer_items) for d in draws])
+    fixed = (len(intro) + sum(len(q) for q in questions_ids) + sum(len(n) for ns in needle_ids for n in ns)
+             + sum(len(a) for a in answers0) + 1)
+    h = length - fixed
+    if h < MIN_HAYSTACK:
+      raise ValueError(f"length={length} is too short for {questions} questions of {tasks}: intro, needles, "
+                       f"questions and answers take {fixed} tokens and the haystack needs {MIN_HAYSTACK}")
+    hay, bounds = haystack.window(rng, h)
+    flat, at = [], []
+    for d, ns in zip(draws, needle_ids):
+      flat += ns
+      at += _place(d, bounds, int(rng.choice(bounds)), rng)
+    body, starts = _insert(hay, bounds, flat, at)
+    text = tokenizer.decode(np.concatenate([intro, body]))
+    if not all(text.count(a) == 1 for d in draws for a in d.anchors):
+      continue
+    answers, k = [], 0
+    for d in draws:
+      s = starts[k:k + len(d.needles)]
+      order = sorted(d.answer_needles, key=lambda i: (s[i], i))
+      answers.append(d.sep.join(d.answer_items[d.answer_needles.index(i)] for i in order))
+      k += len(d.needles)
+    answer_ids = [np.asarray(a, np.int32) for a in _encode(tokenizer, [" " + a for a in answers])]
+    if sum(len(a) for a in answer_ids) != sum(len(a) for a in answers0):
+      continue
+    in_hay = np.ones((len(body),), bool)
+    for st, n in zip(starts, flat):
+      in_hay[st:st + len(n)] = False
+    parts = [(intro, OTHER), (body, None)]
+    for q in rng.permutation(questions):
+      parts += [(questions_ids[q], OTHER), (answer_ids[q], ANSWER)]
+    parts.append((np.asarray([EOT], np.int32), ANSWER))
+    tokens = np.concatenate([p for p, _ in parts]).astype(np.int32)
+    kinds = np.concatenate([np.where(in_hay, HAYSTACK, OTHER) if kind is None else np.full(len(p), kind)
+                            for p, kind in parts]).astype(np.int8)
+    assert tokens.shape == (length,), (tokens.shape, length)
+    return tokens, kinds
+  raise RuntimeError(f"training row seed {seed}: 64 draws all collided (shared keys or values in the haystack)")
+
+
 
 class TaskRows(Sequence):
-  """Random-access source of task rows for grain (`grain.MapDataset.source`): row i is a task example drawn from
-  (seed, i), task and depth uniform, as a batch-contract row {inputs, targets, segment_ids, positions, loss_mask}
-  of [seq_len] each whose loss covers only the answer and the <|endoftext|> after it."""
+  """Random-access source of task rows for grain (`grain.MapDataset.source`): row i is drawn from (seed, i) as a
+  batch-contract row {inputs, targets, segment_ids, positions, loss_mask} of [seq_len] each.
+
+  questions=1 and text_loss=False: an evaluation-format example (`make_example`, task and depth uniform) whose loss
+  covers only the answer and the <|endoftext|> after it. Otherwise a `make_training_row` with `questions`
+  questions; text_loss=True also puts the loss on the row's haystack text (not on needles or questions), so task
+  rows stop displacing language-model training."""
 
   def __init__(self, haystack: Haystack, tokenizer: Any, *, seq_len: int, seed: int,
-               tasks: Sequence[str] = TASKS, size: int = 2 ** 40):
+               tasks: Sequence[str] = TASKS, size: int = 2 ** 40, questions: int = 1, text_loss: bool = False):
     self._hay, self._tok = haystack, tokenizer
     self._seq_len, self._seed, self._tasks, self._size = int(seq_len), int(seed), list(tasks), int(size)
+    self._questions, self._text_loss = int(questions), bool(text_loss)
+    if self._questions < 1:
+      raise ValueError(f"data.tasks.questions={questions}: expected >= 1")
+    if self._questions > 1 and all(t == "passkey" for t in self._tasks):
+      raise ValueError(f"data.tasks.questions={questions} with names=passkey only: a row holds one pass key")
+    # each question brings about its task's fixed tokens (min_length less the haystack minimum)
+    need = (max(min_length(t, tokenizer) for t in self._tasks) - MIN_HAYSTACK) * self._questions + MIN_HAYSTACK
     short = [t for t in self._tasks if min_length(t, tokenizer) > seq_len + 1 - 16]
-    if short:
-      raise ValueError(f"data.tasks: seq_len={seq_len} is too short for tasks {short} "
-                       f"(they need about {max(min_length(t, tokenizer) for t in short) + 16} tokens)")
+    if short or need > seq_len + 1 - 16:
+      raise ValueError(f"data.tasks: seq_len={seq_len} is too short for {self._questions} question(s) of tasks "
+                       f"{short or self._tasks} (they need about {need + 16} tokens)")
 
   def __len__(self) -> int:
     return self._size
 
   def __getitem__(self, i) -> dict[str, np.ndarray]:
+    if self._questions > 1 or self._text_loss:
+      tokens, kinds = make_training_row(self._tasks, haystack=self._hay, tokenizer=self._tok,
+                                        length=self._seq_len + 1, seed=seed32(self._seed, int(i)),
+                                        questions=self._questions)
+      on = (kinds[1:] == ANSWER) | ((kinds[1:] == HAYSTACK) & self._text_loss)  # per target token
+      return {"inputs": tokens[:-1], "targets": tokens[1:], "segment_ids": np.ones((self._seq_len,), np.int32),
+              "positions": np.arange(self._seq_len, dtype=np.int32), "loss_mask": on.astype(np.float32)}
     rng = np.random.default_rng([self._seed, int(i)])
     task = self._tasks[int(rng.integers(len(self._tasks)))]
     ex = make_example(task, haystack=self._hay, tokenizer=self._tok, length=self._seq_len + 1,
@@ -377,14 +489,17 @@ class TaskRows(Sequence):
 
 def mix_task_rows(text_rows: grain.IterDataset, data_dir: str, *, share: float, tasks: Sequence[str],
                   seq_len: int, seed: int, process_index: int = 0, process_count: int = 1,
-                  max_haystack_chars: int = 4_000_000) -> grain.IterDataset:
+                  max_haystack_chars: int = 4_000_000, questions: int = 1,
+                  text_loss: bool = False) -> grain.IterDataset:
   """Packed text rows -> the same stream where a share `share` of the rows are task rows (haystack: the train
-  split of `data_dir`, its first `max_haystack_chars` characters); deterministic and resumable like the text."""
+  split of `data_dir`, its first `max_haystack_chars` characters; `questions`, `text_loss`: see TaskRows);
+  deterministic and resumable like the text."""
   if not 0.0 < share < 1.0:
     raise ValueError(f"data.tasks.share={share}: expected a fraction in (0, 1) (0 disables the task rows)")
   tok = load_tokenizer(data_dir)
   hay = Haystack.from_corpus(data_dir, tokenizer=tok, split="train", max_chars=max_haystack_chars)
-  rows = TaskRows(hay, tok, seq_len=seq_len, seed=seed32(seed, 0x7A5C), tasks=tasks)
+  rows = TaskRows(hay, tok, seq_len=seq_len, seed=seed32(seed, 0x7A5C), tasks=tasks, questions=questions,
+                  text_loss=text_loss)
   # Read inline: grain's default read-ahead would generate a thousand rows before the first batch.
   task_ds = grain.MapDataset.source(rows)[process_index::process_count].to_iter_dataset(
       grain.ReadOptions(num_threads=0, prefetch_buffer_size=16))

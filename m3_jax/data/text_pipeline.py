@@ -208,7 +208,8 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
                        sources: Sequence[str] | None = None, source_weights: Mapping[str, float] | None = None,
                        process_index: int = 0, process_count: int = 1, num_packing_bins: int | None = None,
                        shuffle_bins: bool = True, num_workers: int = 0, read_threads: int = 0,
-                       task_share: float = 0.0, tasks: Sequence[str] | str = "") -> grain.IterDataset:
+                       task_share: float = 0.0, tasks: Sequence[str] | str = "", task_questions: int = 1,
+                       task_text_loss: bool = False) -> grain.IterDataset:
   """Infinite packed LM batches of this process's share of the train split; see the module docstring.
 
   Args:
@@ -228,6 +229,7 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
     task_share: > 0 replaces that share of the rows (drawn per row) by synthetic long-context task rows
       (`m3_jax.data.long_tasks`: haystack from the train split, loss on the answer only), each a full row.
     tasks: the task names for those rows ("" or "all": every task).
+    task_questions, task_text_loss: questions per task row and loss on its haystack text (long_tasks.TaskRows).
 
   Returns:
     A `grain.IterDataset`; `it = iter(ds)` yields batch dicts of [global_batch_size // process_count, seq_len]
@@ -248,7 +250,8 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
   if task_share:
     out = long_tasks.mix_task_rows(out, data_dir, share=float(task_share), tasks=long_tasks.parse_tasks(tasks),
                                    seq_len=seq_len, seed=seed32(seed, 2),
-                                   process_index=process_index, process_count=process_count)
+                                   process_index=process_index, process_count=process_count,
+                                   questions=int(task_questions), text_loss=bool(task_text_loss))
   out = out.batch(local, drop_remainder=True)
   return mp_prefetch(out, num_workers) if num_workers else out
 
