@@ -36,6 +36,11 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "xl
   """Causal GQA attention. q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; query t sits at slot q_offset + t
   (default S - T). Returns out [B, T, Hq, D] (and probs [B, Hq, T, S] f32 if return_probs, xla only)."""
   t, s = q.shape[1], k.shape[1]
+  if q_offset is not None and t > 1 and segment_ids is None and kv_segment_ids is None and not return_probs:
+    # A prefill chunk against a fixed-size cache: the masked path's scores would be [B, Hq, T, S] f32 (8 rows x 8
+    # heads x 4096 x 64K = 64 GiB); the blockwise XLA kernel holds one block pair at a time and skips the cache's
+    # unwritten future blocks.
+    return flash_attention(q, k, v, q_offset=q_offset, implementation="xla")
   # Decoding passes a traced q_offset over a fixed-size cache: that path stays on XLA (cuDNN's causal mode assumes
   # the queries are the last T of S keys).
   use_cudnn = impl in ("cudnn", "cudnn_packed") and not return_probs and q_offset is None
