@@ -16,8 +16,11 @@ two checkpoints evaluated with the same flags see the same prompts.
 An answer is right when the generated text, cut at <|endoftext|> or the first newline and stripped of spaces and a
 final period, equals the answer exactly. Written to --out:
 
-  results.json           flags, model, per task: accuracy per (length, depth) cell and overall, every example's
-                         answer and generation; loss_by_position (below); seconds
+  results.json           flags, model, per task: accuracy and answer NLL (nats per answer token under teacher
+                         forcing: a graded signal where exact match is 0 or 1) per (length, depth) cell and
+                         overall, every example's answer, generation and answer log-prob; forward_check (the
+                         first batch's last-position log-probs, cached path vs one full forward);
+                         loss_by_position (below); seconds
   heatmap_<task>.png     accuracy, lengths (rows) x depths (columns)
   loss_by_position.json  mean next-token loss of up to --loss_docs held-out documents of at least --loss_length + 1
                          tokens, per position bin (--loss_bins log-spaced bins), and the per-position curve
@@ -144,47 +147,106 @@ def make_examples(tasks: list[str], lengths: list[int], depths: list[float], sam
 
 
 def greedy_answers(model, step, prompts, *, max_new_tokens: int, max_len: int, prefill_chunk: int,
-                   eos_id: int | None):
-  """prompts int32 [B, L] -> greedy ids int [B, n <= max_new_tokens]: chunked prefill into fresh caches of
-  `max_len`, then one token per step (the path m3_jax.generate streams)."""
+                   eos_id: int | None, answers=None):
+  """prompts int32 [B, L] -> (greedy ids int [B, n <= max_new_tokens], answer log-probs or None, last-position
+  logits f32 [B, V]): chunked prefill into fresh caches of `max_len`, then one token per step (the path
+  m3_jax.generate streams). With `answers` (int32 [B, A] padded, and their lengths [B]) the answers are also scored
+  by teacher forcing from the same prefilled caches: log p(answer | prompt) per row, f64 [B]."""
+  import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from m3_jax.models import decode  # noqa: PLC0415
-  ids = decode.generate(model, jnp.asarray(prompts, jnp.int32), max_new_tokens=max_new_tokens, eos_id=eos_id,
-                        max_len=max_len, prefill_chunk=prefill_chunk, step=step)
-  return np.asarray(ids)
+  caches = decode.init_caches(model, prompts.shape[0], max_len)
+  logits, caches = decode.prefill(step, jnp.asarray(prompts, jnp.int32), caches, chunk=prefill_chunk)
+  last = logits[:, -1]  # [B, V]
+  logp = None
+  if answers is not None:
+    ids, lens = answers
+    # The caches are values: scoring from them leaves them as they are for the greedy decoding below. One token
+    # per step, as decoding does: the same compiled step, and no multi-token chunk shorter than a kernel block.
+    scored, c = [last], caches
+    for i in range(ids.shape[1] - 1):
+      out, c = step(jnp.asarray(ids[:, i:i + 1], jnp.int32), c)
+      scored.append(out[:, -1])
+    lp = jax.nn.log_softmax(jnp.stack(scored, axis=1), axis=-1)  # [B, A, V]
+    tok_lp = np.asarray(jnp.take_along_axis(lp, jnp.asarray(ids, jnp.int32)[..., None], axis=-1)[..., 0])
+    logp = np.where(np.arange(ids.shape[1])[None] < lens[:, None], tok_lp, 0.0).astype(np.float64).sum(1)
+  gen = decode.continue_decoding(step, last, caches, max_new_tokens=max_new_tokens, eos_id=eos_id)
+  return np.asarray(gen), logp, np.asarray(last, np.float32)
+
+
+def forward_check(model, prompts, cached_last) -> dict[str, Any]:
+  """The cached path against one full forward (no caches, the training kernels) on the same prompts: the largest
+  difference of the last position's log-probabilities and whether the greedy tokens agree."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def last_logits(state, ids):
+    m = nnx.merge(graphdef, state)
+    hidden, _ = m(ids, head=False)
+    return m.head_logits(hidden[:, -1:])[:, 0]  # [B, V]: one position, not [B, L, V]
+
+  full = np.asarray(last_logits(state, jnp.asarray(prompts, jnp.int32)), np.float32)
+  lp_full = np.asarray(jax.nn.log_softmax(full, axis=-1))
+  lp_cached = np.asarray(jax.nn.log_softmax(cached_last, axis=-1))
+  return {"rows": int(prompts.shape[0]), "length": int(prompts.shape[1]),
+          "max_abs_logprob_diff": float(np.abs(lp_full - lp_cached).max()),
+          "argmax_agree": float(np.mean(full.argmax(-1) == cached_last.argmax(-1)))}
 
 
 def run_tasks(model, step, tokenizer, examples: dict, *, batch_size: int, max_len: int, prefill_chunk: int,
-              t0: float) -> dict[str, Any]:
-  """Scores every example; one progress line per (length, task). Returns {task: results}."""
+              t0: float, check: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+  """Scores every example (exact match of the greedy answer, and the answer's log-probability under teacher
+  forcing); one progress line per (length, task). With `check`, the first batch is also run through a full
+  forward (`forward_check`). Returns ({task: results}, the check or None)."""
   import numpy as np  # noqa: PLC0415
   results: dict[str, Any] = {}
+  checked = None
   for (task, length), exs in sorted(examples.items(), key=lambda kv: (kv[0][1], kv[0][0])):
     rows = results.setdefault(task, {"examples": []})["examples"]
+    width = max(len(e.answer) for e in exs)  # one answer width per (task, length): one scoring shape
     for lo in range(0, len(exs), batch_size):
       part = exs[lo:lo + batch_size]
       padded = part + [part[-1]] * (batch_size - len(part))  # one batch shape: nothing compiles twice
       prompts = np.stack([e.prompt for e in padded])  # [B, length]
+      answers = np.zeros((len(padded), width), np.int32)
+      for i, e in enumerate(padded):
+        answers[i, :len(e.answer)] = e.answer
+      lens = np.asarray([len(e.answer) for e in padded])
       new = max(len(e.answer) for e in part) + 2  # room for a closing token and a stray one
-      gen = greedy_answers(model, step, prompts, max_new_tokens=new, max_len=max_len, prefill_chunk=prefill_chunk,
-                           eos_id=getattr(tokenizer, "eot_id", None))
-      for e, g in zip(part, gen):
+      gen, logp, last = greedy_answers(model, step, prompts, max_new_tokens=new, max_len=max_len,
+                                       prefill_chunk=prefill_chunk, eos_id=getattr(tokenizer, "eot_id", None),
+                                       answers=(answers, lens))
+      if check and checked is None:
+        checked = {"task": task, **forward_check(model, prompts, last)}
+        print(f"[eval_long] cached vs full forward ({task}, {length:,} tokens, {len(padded)} rows): max |d log p| "
+              f"{checked['max_abs_logprob_diff']:.3g}, greedy tokens agree {checked['argmax_agree']:.0%}",
+              flush=True)
+      for e, g, lp in zip(part, gen, logp):
         got = answer_of([int(x) for x in g], tokenizer)
         rows.append({"length": length, "depth": e.depth, "seed": e.seed, "answer": e.answer_text,
                      "generated": got, "exact": got == e.answer_text, "needle_pos": e.needle_pos,
+                     "answer_logprob": float(lp), "answer_tokens": int(len(e.answer)),
                      "generated_ids": [int(x) for x in g]})
-    acc = np.mean([r["exact"] for r in rows if r["length"] == length])
-    print(f"[eval_long] length {length:>7,} {task:12s} accuracy {acc:6.1%} ({len(exs)} examples)  "
-          f"{time.time() - t0:7.1f} s", flush=True)
+    mine = [r for r in rows if r["length"] == length]
+    acc = np.mean([r["exact"] for r in mine])
+    nll = np.mean([-r["answer_logprob"] / r["answer_tokens"] for r in mine])
+    print(f"[eval_long] length {length:>7,} {task:12s} accuracy {acc:6.1%}, answer NLL {nll:5.2f} nats/token "
+          f"({len(exs)} examples)  {time.time() - t0:7.1f} s", flush=True)
   for task, r in results.items():
     cells = {}
     for row in r["examples"]:
-      cells.setdefault((row["length"], row["depth"]), []).append(row["exact"])
-    r["cells"] = [{"length": k[0], "depth": k[1], "accuracy": float(np.mean(v)), "n": len(v)}
-                  for k, v in sorted(cells.items())]
+      cells.setdefault((row["length"], row["depth"]), []).append(row)
+    r["cells"] = [{"length": k[0], "depth": k[1], "accuracy": float(np.mean([x["exact"] for x in v])),
+                   "answer_nll": float(np.mean([-x["answer_logprob"] / x["answer_tokens"] for x in v])),
+                   "n": len(v)} for k, v in sorted(cells.items())]
     r["accuracy"] = float(np.mean([row["exact"] for row in r["examples"]]))
-  return results
+    r["answer_nll"] = float(np.mean([-x["answer_logprob"] / x["answer_tokens"] for x in r["examples"]]))
+  return results, checked
 
 
 def plot_heatmap(path: str, task: str, cells: list[dict], lengths: list[int], depths: list[float]) -> None:
@@ -317,8 +379,8 @@ def evaluate(*, checkpoint: str, tasks: str, lengths: str, depths: str, samples:
   step = decode.make_step(model)
   print(f"[eval_long] {checkpoint}: {len(names)} tasks x {len(lens)} lengths x {len(deps)} depths x {samples} "
         f"samples; caches of {max_len:,} tokens, prefill chunks of {prefill_chunk}", flush=True)
-  results = run_tasks(model, step, tok, examples, batch_size=batch_size, max_len=max_len,
-                      prefill_chunk=prefill_chunk, t0=t0)
+  results, checked = run_tasks(model, step, tok, examples, batch_size=batch_size, max_len=max_len,
+                               prefill_chunk=prefill_chunk, t0=t0)
 
   os.makedirs(out, exist_ok=True)
   for task, r in results.items():
@@ -341,7 +403,7 @@ def evaluate(*, checkpoint: str, tasks: str, lengths: str, depths: str, samples:
     json.dump(loss, f, indent=1)
   summary = {"checkpoint": os.path.abspath(checkpoint), "data_dir": os.path.abspath(data_dir), "seed": seed,
              "lengths": lens, "depths": deps, "samples": samples, "prefill_chunk": prefill_chunk,
-             "layer_types": list(cfg.layer_types), "tasks": results,
+             "layer_types": list(cfg.layer_types), "tasks": results, "forward_check": checked,
              "loss_by_position": {k: v for k, v in loss.items() if k != "curve"},
              "seconds": round(time.time() - t0, 1)}
   with open(os.path.join(out, "results.json"), "w") as f:

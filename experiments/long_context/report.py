@@ -40,9 +40,11 @@ def _fmt(m: dict | None, digits: int = 4) -> str:
 
 def _row_format(meta: dict) -> str:
   q, text = int(meta.get("task_questions", 1)), bool(meta.get("task_text_loss", False))
-  if q == 1 and not text:
+  placement = meta.get("task_placement", "end")
+  if q == 1 and not text and placement == "end":
     return ""
-  return f", {q} questions per row" + (", loss on the haystack text too" if text else "")
+  return (f", {q} questions per row" + (", each after its needle" if placement == "interleaved" else "")
+          + (", loss on the haystack text too" if text else ""))
 
 
 def write_report(sweep_dir: str, runs: dict, meta: dict, missing: list[str]) -> tuple[str, list[str]]:

@@ -160,7 +160,8 @@ def train_iterator(config: ConfigDict, vision_cfg: Any) -> Iterator[dict]:
     kw = {}
     if share:
       kw = dict(tasks=str(d.tasks.names), task_questions=int(d.tasks.get("questions", 1)),
-                task_text_loss=bool(d.tasks.get("text_loss", False)))
+                task_text_loss=bool(d.tasks.get("text_loss", False)),
+                task_placement=str(d.tasks.get("placement", "end")))
     return iter(text_pipeline.make_train_dataset(d.dir, task_share=share, **kw, **common))
   if share:
     raise ValueError(f"data.tasks.share={share}: long-context task rows are for text configs only")

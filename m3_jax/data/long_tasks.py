@@ -358,20 +358,28 @@ def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, 
 OTHER, ANSWER, HAYSTACK = 0, 1, 2
 
 
+PLACEMENTS = ("end", "interleaved")
+
+
 def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: Any, length: int, seed: int,
-                      questions: int) -> tuple[np.ndarray, np.ndarray]:
+                      questions: int, placement: str = "end") -> tuple[np.ndarray, np.ndarray]:
   """A training row of exactly `length` tokens that asks `questions` questions about one haystack.
 
   The needles of `questions` draws (each task uniform over `tasks`, at most one passkey per row, since two pass
-  keys would make the question ambiguous) sit at uniformly random sentence boundaries; after the haystack come the
-  draws' questions, each followed by its answer, in random order, then <|endoftext|>. One row thus trains
-  `questions` retrievals at distances spread over the whole row, where an evaluation-format row (`make_example`)
-  trains one; the first question follows the haystack exactly as in an evaluation prompt. Every anchor of every
-  draw occurs exactly once in the intro + haystack part, and no key, id or variable is shared by two draws.
+  keys would make the question ambiguous) sit at uniformly random sentence boundaries. placement="end": after the
+  haystack come the draws' questions, each followed by its answer, in random order, then <|endoftext|>; the first
+  question follows the haystack exactly as in an evaluation prompt. placement="interleaved": each question with
+  its answer sits at a random boundary after its draw's needles, so the distances from needle to question range
+  from a few tokens to the whole row (the short ones are the easy examples a retrieval mechanism first learns
+  from), and the row ends with haystack text and <|endoftext|>. One row thus trains `questions` retrievals, where
+  an evaluation-format row (`make_example`) trains one. Every anchor of every draw occurs exactly once in the
+  intro + haystack + needles, and no key, id or variable is shared by two draws.
 
-  Returns (tokens int32 [length], kinds int8 [length]: ANSWER for answer tokens and the closing <|endoftext|>,
-  HAYSTACK for real text, OTHER for the intro, needles and questions).
+  Returns (tokens int32 [length], kinds int8 [length]: ANSWER for answer tokens (and the closing <|endoftext|>
+  with placement="end"), HAYSTACK for real text, OTHER for the intro, needles and questions).
   """
+  if placement not in PLACEMENTS:
+    raise ValueError(f"placement={placement!r}: expected one of {PLACEMENTS}")
   if questions < 1:
     raise ValueError(f"questions={questions}: expected >= 1")
   tasks = list(tasks)
@@ -411,29 +419,41 @@ def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: An
     for d, ns in zip(draws, needle_ids):
       flat += ns
       at += _place(d, bounds, int(rng.choice(bounds)), rng)
-    body, starts = _insert(hay, bounds, flat, at)
-    text = tokenizer.decode(np.concatenate([intro, body]))
-    if not all(text.count(a) == 1 for d in draws for a in d.anchors):
-      continue
     answers, k = [], 0
-    for d in draws:
-      s = starts[k:k + len(d.needles)]
-      order = sorted(d.answer_needles, key=lambda i: (s[i], i))
+    for d in draws:  # a multi-item answer lists its items in text order: the needles' (offset, index) order
+      order = sorted(d.answer_needles, key=lambda i: (at[k + i], k + i))
       answers.append(d.sep.join(d.answer_items[d.answer_needles.index(i)] for i in order))
       k += len(d.needles)
     answer_ids = [np.asarray(a, np.int32) for a in _encode(tokenizer, [" " + a for a in answers])]
     if sum(len(a) for a in answer_ids) != sum(len(a) for a in answers0):
       continue
-    in_hay = np.ones((len(body),), bool)
-    for st, n in zip(starts, flat):
-      in_hay[st:st + len(n)] = False
-    parts = [(intro, OTHER), (body, None)]
-    for q in rng.permutation(questions):
-      parts += [(questions_ids[q], OTHER), (answer_ids[q], ANSWER)]
-    parts.append((np.asarray([EOT], np.int32), ANSWER))
+    segments = list(flat)  # needles, then (interleaved) the question + answer pieces: ties put them after
+    seg_kinds = [np.full(len(n), OTHER, np.int8) for n in flat]
+    if placement == "interleaved":
+      k = 0
+      for q, d in enumerate(draws):
+        last = max(at[k:k + len(d.needles)])
+        k += len(d.needles)
+        segments.append(np.concatenate([questions_ids[q], answer_ids[q]]))
+        seg_kinds.append(np.concatenate([np.full(len(questions_ids[q]), OTHER, np.int8),
+                                         np.full(len(answer_ids[q]), ANSWER, np.int8)]))
+        at.append(int(rng.choice(bounds[bounds >= last])))
+    body, starts = _insert(hay, bounds, segments, at)
+    body_kinds = np.full((len(body),), HAYSTACK, np.int8)
+    for st, sk in zip(starts, seg_kinds):
+      body_kinds[st:st + len(sk)] = sk
+    context = body if placement == "end" else body[body_kinds != ANSWER]
+    text = tokenizer.decode(np.concatenate([intro, context]))
+    if not all(text.count(a) == 1 for d in draws for a in d.anchors):
+      continue
+    parts = [(intro, np.full(len(intro), OTHER, np.int8)), (body, body_kinds)]
+    if placement == "end":
+      for q in rng.permutation(questions):
+        parts += [(questions_ids[q], np.full(len(questions_ids[q]), OTHER, np.int8)),
+                  (answer_ids[q], np.full(len(answer_ids[q]), ANSWER, np.int8))]
+    parts.append((np.asarray([EOT], np.int32), np.asarray([ANSWER if placement == "end" else OTHER], np.int8)))
     tokens = np.concatenate([p for p, _ in parts]).astype(np.int32)
-    kinds = np.concatenate([np.where(in_hay, HAYSTACK, OTHER) if kind is None else np.full(len(p), kind)
-                            for p, kind in parts]).astype(np.int8)
+    kinds = np.concatenate([k for _, k in parts]).astype(np.int8)
     assert tokens.shape == (length,), (tokens.shape, length)
     return tokens, kinds
   raise RuntimeError(f"training row seed {seed}: 64 draws all collided (shared keys or values in the haystack)")
@@ -444,14 +464,18 @@ class TaskRows(Sequence):
   """Random-access source of task rows for grain (`grain.MapDataset.source`): row i is drawn from (seed, i) as a
   batch-contract row {inputs, targets, segment_ids, positions, loss_mask} of [seq_len] each.
 
-  questions=1 and text_loss=False: an evaluation-format example (`make_example`, task and depth uniform) whose loss
-  covers only the answer and the <|endoftext|> after it. Otherwise a `make_training_row` with `questions`
-  questions; text_loss=True also puts the loss on the row's haystack text (not on needles or questions), so task
-  rows stop displacing language-model training."""
+  questions=1, text_loss=False, placement="end": an evaluation-format example (`make_example`, task and depth
+  uniform) whose loss covers only the answer and the <|endoftext|> after it. Otherwise a `make_training_row` with
+  `questions` questions placed as `placement` says; text_loss=True also puts the loss on the row's haystack text
+  (not on needles or questions), so task rows stop displacing language-model training."""
 
   def __init__(self, haystack: Haystack, tokenizer: Any, *, seq_len: int, seed: int,
-               tasks: Sequence[str] = TASKS, size: int = 2 ** 40, questions: int = 1, text_loss: bool = False):
+               tasks: Sequence[str] = TASKS, size: int = 2 ** 40, questions: int = 1, text_loss: bool = False,
+               placement: str = "end"):
     self._hay, self._tok = haystack, tokenizer
+    if placement not in PLACEMENTS:
+      raise ValueError(f"data.tasks.placement={placement!r}: expected one of {PLACEMENTS}")
+    self._placement = placement
     self._seq_len, self._seed, self._tasks, self._size = int(seq_len), int(seed), list(tasks), int(size)
     self._questions, self._text_loss = int(questions), bool(text_loss)
     if self._questions < 1:
@@ -469,10 +493,10 @@ class TaskRows(Sequence):
     return self._size
 
   def __getitem__(self, i) -> dict[str, np.ndarray]:
-    if self._questions > 1 or self._text_loss:
+    if self._questions > 1 or self._text_loss or self._placement != "end":
       tokens, kinds = make_training_row(self._tasks, haystack=self._hay, tokenizer=self._tok,
                                         length=self._seq_len + 1, seed=seed32(self._seed, int(i)),
-                                        questions=self._questions)
+                                        questions=self._questions, placement=self._placement)
       on = (kinds[1:] == ANSWER) | ((kinds[1:] == HAYSTACK) & self._text_loss)  # per target token
       return {"inputs": tokens[:-1], "targets": tokens[1:], "segment_ids": np.ones((self._seq_len,), np.int32),
               "positions": np.arange(self._seq_len, dtype=np.int32), "loss_mask": on.astype(np.float32)}
@@ -489,17 +513,18 @@ class TaskRows(Sequence):
 
 def mix_task_rows(text_rows: grain.IterDataset, data_dir: str, *, share: float, tasks: Sequence[str],
                   seq_len: int, seed: int, process_index: int = 0, process_count: int = 1,
-                  max_haystack_chars: int = 4_000_000, questions: int = 1,
-                  text_loss: bool = False) -> grain.IterDataset:
+                  max_haystack_chars: int = 4_000_000, questions: int = 1, text_loss: bool = False,
+                  placement: str = "end") -> grain.IterDataset:
   """Packed text rows -> the same stream where a share `share` of the rows are task rows (haystack: the train
-  split of `data_dir`, its first `max_haystack_chars` characters; `questions`, `text_loss`: see TaskRows);
+  split of `data_dir`, its first `max_haystack_chars` characters; `questions`, `text_loss`, `placement`: see
+  TaskRows);
   deterministic and resumable like the text."""
   if not 0.0 < share < 1.0:
     raise ValueError(f"data.tasks.share={share}: expected a fraction in (0, 1) (0 disables the task rows)")
   tok = load_tokenizer(data_dir)
   hay = Haystack.from_corpus(data_dir, tokenizer=tok, split="train", max_chars=max_haystack_chars)
   rows = TaskRows(hay, tok, seq_len=seq_len, seed=seed32(seed, 0x7A5C), tasks=tasks, questions=questions,
-                  text_loss=text_loss)
+                  text_loss=text_loss, placement=placement)
   # Read inline: grain's default read-ahead would generate a thousand rows before the first batch.
   task_ds = grain.MapDataset.source(rows)[process_index::process_count].to_iter_dataset(
       grain.ReadOptions(num_threads=0, prefetch_buffer_size=16))

@@ -82,9 +82,18 @@ def generate(model: TextModel, prompt: jax.Array, *, max_new_tokens: int, temper
   step = step or make_step(model)
   caches = init_caches(model, b, max_len)
   logits, caches = prefill(step, prompt, caches, chunk=prefill_chunk)
+  return continue_decoding(step, logits[:, -1], caches, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, seed=seed, eos_id=eos_id, on_token=on_token)
+
+
+def continue_decoding(step: Callable, last: jax.Array, caches: list[Any], *, max_new_tokens: int,
+                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+                      on_token: Callable[[jax.Array], None] | None = None) -> jax.Array:
+  """Decoding after a prefill: `last` [B, V] are the logits of the prompt's last position and `caches` hold the
+  prompt. Returns the generated ids [B, n <= max_new_tokens] (see `generate`)."""
+  b = last.shape[0]
   key = jax.random.key(seed)
   out, done = [], jnp.zeros((b,), bool)
-  last = logits[:, -1]
   for i in range(max_new_tokens):
     key, sub = jax.random.split(key)
     tok = sample(last, sub, temperature=temperature, top_p=top_p)

@@ -26,8 +26,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Synthetic long-context task rows (m3_jax.data.long_tasks: passkey, needles, kv, variable tracking) as a share
   # of the training rows, loss on the answer only; names "" = every task. Text configs only. questions > 1: each
   # task row asks that many questions about its haystack (more retrieval signal per row); text_loss: the row's
-  # haystack text is trained on too.
-  c.data.tasks = ml_collections.ConfigDict(dict(share=0.0, names="", questions=1, text_loss=False))
+  # haystack text is trained on too; placement "interleaved" puts each question (with its answer) at a random
+  # point after its needle instead of after the haystack ("end").
+  c.data.tasks = ml_collections.ConfigDict(dict(share=0.0, names="", questions=1, text_loss=False,
+                                                placement="end"))
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000
