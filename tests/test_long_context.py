@@ -188,6 +188,40 @@ def test_task_rows_loss_on_answers_and_optionally_the_haystack(corpus):
     lt.TaskRows(hay, tok, seq_len=300, seed=0, tasks=lt.TASKS, questions=8)
 
 
+def test_task_rows_pack_short_examples_as_segments(corpus):
+  d, tok, _ = corpus
+  hay = lt.Haystack.from_corpus(d, tokenizer=tok, split="train")
+  lengths = (700, 1400, 2800)
+  rows = lt.TaskRows(hay, tok, seq_len=2799, seed=2, tasks=("single_key", "kv"), questions=3, lengths=lengths)
+  seen = set()
+  for i in range(12):
+    r = rows[i]
+    seg, pos, on = r["segment_ids"], r["positions"], r["loss_mask"] > 0
+    ids = np.unique(seg)
+    np.testing.assert_array_equal(ids, np.arange(1, len(ids) + 1))  # segments 1..n in order
+    sizes = [int((seg == j).sum()) for j in ids]
+    length = max(n for n in lengths if n <= sizes[0] + 1)  # the last segment also holds the remainder
+    seen.add(length)
+    assert len(ids) == 2800 // length and all(n == length for n in sizes[:-1])
+    for j in ids:  # positions restart in every example; its tokens are a whole training row of that length
+      m = seg == j
+      np.testing.assert_array_equal(pos[m], np.arange(m.sum()))
+    starts = np.flatnonzero(np.diff(seg)) + 1  # first input of each later segment
+    assert not on[starts - 1].any()  # no target across two examples
+    runs = _runs(on)
+    assert runs and all(tok.decode(r["inputs"][:a + 1]).rstrip().endswith((" is", " are")) for a, _ in runs)
+    # each answer's items stand once in the context of its own example, before it
+    for a, b in runs:
+      j = seg[a]
+      own = (seg == j) & (np.arange(len(seg)) <= a)
+      context = tok.decode(r["inputs"][own])
+      for item in tok.decode(r["targets"][a:b][r["targets"][a:b] != EOT]).strip().split(", "):
+        assert context.count(item) == 1, (i, item)
+  assert seen == set(lengths)
+  with pytest.raises(ValueError, match="lengths"):
+    lt.TaskRows(hay, tok, seq_len=2799, seed=2, tasks=("single_key",), lengths=(100, 2800))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # python -m m3_jax.eval_long
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--task_questions", type=int, default=1, help="questions per task row (data.tasks.questions)")
   ap.add_argument("--task_text_loss", action="store_true", help="task rows train on their haystack text too")
   ap.add_argument("--task_placement", default="end", help="end | interleaved: where a task row's questions go")
+  ap.add_argument("--task_lengths", default="", help="example lengths packed into task rows, e.g. 512,2048,16384 "
+                  "(each its own segment: pair with --config_arg=document_mask=True)")
   ap.add_argument("--eval_tasks", default="passkey,single_key,kv", help="retrieval tasks evaluated")
   ap.add_argument("--lengths", default="", help="evaluation lengths (default: training length, 2x, 4x)")
   ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")

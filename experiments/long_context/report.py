@@ -41,9 +41,11 @@ def _fmt(m: dict | None, digits: int = 4) -> str:
 def _row_format(meta: dict) -> str:
   q, text = int(meta.get("task_questions", 1)), bool(meta.get("task_text_loss", False))
   placement = meta.get("task_placement", "end")
-  if q == 1 and not text and placement == "end":
+  if q == 1 and not text and placement == "end" and not meta.get("task_lengths"):
     return ""
+  lengths = meta.get("task_lengths", "")
   return (f", {q} questions per row" + (", each after its needle" if placement == "interleaved" else "")
+          + (f", examples of {lengths} tokens packed as segments" if lengths else "")
           + (", loss on the haystack text too" if text else ""))
 
 

@@ -80,6 +80,7 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, **kw):
     c.data.tasks.questions = a.task_questions
     c.data.tasks.text_loss = a.task_text_loss
     c.data.tasks.placement = a.task_placement
+    c.data.tasks.lengths = a.task_lengths
   return apply_overrides(c, a.override)
 
 
@@ -170,7 +171,7 @@ def build_meta(a: argparse.Namespace, arms: list[str], sweep_dir: str) -> dict:
           "steps": int(c.train.steps), "batch_size": int(c.train.batch_size), "seq_len": int(c.train.seq_len),
           "task_share": a.task_share, "train_tasks": a.tasks if a.task_share > 0 else "",
           "task_questions": a.task_questions, "task_text_loss": a.task_text_loss,
-          "task_placement": a.task_placement,
+          "task_placement": a.task_placement, "task_lengths": a.task_lengths,
           "eval_tasks": a.eval_tasks, "lengths": lengths_of(a, int(c.train.seq_len)), "depths": a.depths,
           "samples": a.samples, "convert_at": a.convert_at, "convert_warmup": a.convert_warmup,
           "device": lib_sweep.device_description(sweep_dir, a.report_only), "note": a.note,

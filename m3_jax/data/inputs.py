@@ -161,7 +161,8 @@ def train_iterator(config: ConfigDict, vision_cfg: Any) -> Iterator[dict]:
     if share:
       kw = dict(tasks=str(d.tasks.names), task_questions=int(d.tasks.get("questions", 1)),
                 task_text_loss=bool(d.tasks.get("text_loss", False)),
-                task_placement=str(d.tasks.get("placement", "end")))
+                task_placement=str(d.tasks.get("placement", "end")),
+                task_lengths=[int(x) for x in str(d.tasks.get("lengths", "")).split(",") if x.strip()])
     return iter(text_pipeline.make_train_dataset(d.dir, task_share=share, **kw, **common))
   if share:
     raise ValueError(f"data.tasks.share={share}: long-context task rows are for text configs only")

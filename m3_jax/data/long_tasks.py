@@ -464,35 +464,55 @@ class TaskRows(Sequence):
   """Random-access source of task rows for grain (`grain.MapDataset.source`): row i is drawn from (seed, i) as a
   batch-contract row {inputs, targets, segment_ids, positions, loss_mask} of [seq_len] each.
 
-  questions=1, text_loss=False, placement="end": an evaluation-format example (`make_example`, task and depth
-  uniform) whose loss covers only the answer and the <|endoftext|> after it. Otherwise a `make_training_row` with
-  `questions` questions placed as `placement` says; text_loss=True also puts the loss on the row's haystack text
-  (not on needles or questions), so task rows stop displacing language-model training."""
+  questions=1, text_loss=False, placement="end", no lengths: an evaluation-format example (`make_example`, task and
+  depth uniform) whose loss covers only the answer and the <|endoftext|> after it. Otherwise `make_training_row`
+  examples with `questions` questions placed as `placement` says; text_loss=True also puts the loss on the
+  haystack text (not on needles or questions), so task rows stop displacing language-model training.
+
+  lengths (example lengths in tokens, e.g. (512, 2048, 16384)): each row picks one uniformly and holds
+  (seq_len + 1) // L examples of that length (the last one takes the remainder), each its own segment with
+  positions from 0, so under document masking a question attends over its own example only. Short examples are
+  where a retrieval mechanism is learnt first (at initialisation attention is spread over every visible key:
+  1/L of it on the needle); the long ones train the full length. Short examples ask fewer questions: as many of
+  `questions` as fit in half of the example.
+  """
 
   def __init__(self, haystack: Haystack, tokenizer: Any, *, seq_len: int, seed: int,
                tasks: Sequence[str] = TASKS, size: int = 2 ** 40, questions: int = 1, text_loss: bool = False,
-               placement: str = "end"):
+               placement: str = "end", lengths: Sequence[int] = ()):
     self._hay, self._tok = haystack, tokenizer
     if placement not in PLACEMENTS:
       raise ValueError(f"data.tasks.placement={placement!r}: expected one of {PLACEMENTS}")
     self._placement = placement
     self._seq_len, self._seed, self._tasks, self._size = int(seq_len), int(seed), list(tasks), int(size)
     self._questions, self._text_loss = int(questions), bool(text_loss)
+    self._lengths = sorted({int(n) for n in lengths})
     if self._questions < 1:
       raise ValueError(f"data.tasks.questions={questions}: expected >= 1")
     if self._questions > 1 and all(t == "passkey" for t in self._tasks):
       raise ValueError(f"data.tasks.questions={questions} with names=passkey only: a row holds one pass key")
     # each question brings about its task's fixed tokens (min_length less the haystack minimum)
-    need = (max(min_length(t, tokenizer) for t in self._tasks) - MIN_HAYSTACK) * self._questions + MIN_HAYSTACK
+    self._per_question = max(min_length(t, tokenizer) for t in self._tasks) - MIN_HAYSTACK
+    need = self._per_question * self._questions + MIN_HAYSTACK
     short = [t for t in self._tasks if min_length(t, tokenizer) > seq_len + 1 - 16]
     if short or need > seq_len + 1 - 16:
       raise ValueError(f"data.tasks: seq_len={seq_len} is too short for {self._questions} question(s) of tasks "
                        f"{short or self._tasks} (they need about {need + 16} tokens)")
+    if self._lengths and not (2 * self._per_question + MIN_HAYSTACK <= self._lengths[0]
+                              and self._lengths[-1] <= self._seq_len + 1):
+      raise ValueError(f"data.tasks.lengths={self._lengths}: expected example lengths from "
+                       f"{2 * self._per_question + MIN_HAYSTACK} (one question in half an example) to seq_len + 1 "
+                       f"= {self._seq_len + 1}")
+
+  def _questions_for(self, length: int) -> int:
+    return max(1, min(self._questions, (length // 2) // self._per_question))
 
   def __len__(self) -> int:
     return self._size
 
   def __getitem__(self, i) -> dict[str, np.ndarray]:
+    if self._lengths:
+      return self._packed(int(i))
     if self._questions > 1 or self._text_loss or self._placement != "end":
       tokens, kinds = make_training_row(self._tasks, haystack=self._hay, tokenizer=self._tok,
                                         length=self._seq_len + 1, seed=seed32(self._seed, int(i)),
@@ -511,20 +531,43 @@ class TaskRows(Sequence):
             "positions": np.arange(self._seq_len, dtype=np.int32), "loss_mask": mask}
 
 
+  def _packed(self, i: int) -> dict[str, np.ndarray]:
+    """A row of examples of one length drawn from `lengths`, each its own segment."""
+    total = self._seq_len + 1
+    rng = np.random.default_rng([self._seed, i, 1])
+    length = self._lengths[int(rng.integers(len(self._lengths)))]
+    n = total // length
+    sizes = [length] * (n - 1) + [total - length * (n - 1)]
+    toks, kinds, seg, pos = [], [], [], []
+    for j, size in enumerate(sizes):
+      t, k = make_training_row(self._tasks, haystack=self._hay, tokenizer=self._tok, length=size,
+                               seed=seed32(self._seed, i, j), questions=self._questions_for(size),
+                               placement=self._placement)
+      toks.append(t)
+      kinds.append(k)
+      seg.append(np.full((size,), j + 1, np.int32))
+      pos.append(np.arange(size, dtype=np.int32))
+    tokens, kinds, seg, pos = (np.concatenate(x) for x in (toks, kinds, seg, pos))  # [seq_len + 1] each
+    on = (kinds[1:] == ANSWER) | ((kinds[1:] == HAYSTACK) & self._text_loss)  # per target token
+    on &= seg[1:] == seg[:-1]  # no target across two examples
+    return {"inputs": tokens[:-1], "targets": tokens[1:], "segment_ids": seg[:-1], "positions": pos[:-1],
+            "loss_mask": on.astype(np.float32)}
+
+
 def mix_task_rows(text_rows: grain.IterDataset, data_dir: str, *, share: float, tasks: Sequence[str],
                   seq_len: int, seed: int, process_index: int = 0, process_count: int = 1,
                   max_haystack_chars: int = 4_000_000, questions: int = 1, text_loss: bool = False,
-                  placement: str = "end") -> grain.IterDataset:
+                  placement: str = "end", lengths: Sequence[int] = ()) -> grain.IterDataset:
   """Packed text rows -> the same stream where a share `share` of the rows are task rows (haystack: the train
-  split of `data_dir`, its first `max_haystack_chars` characters; `questions`, `text_loss`, `placement`: see
-  TaskRows);
+  split of `data_dir`, its first `max_haystack_chars` characters; `questions`, `text_loss`, `placement`,
+  `lengths`: see TaskRows);
   deterministic and resumable like the text."""
   if not 0.0 < share < 1.0:
     raise ValueError(f"data.tasks.share={share}: expected a fraction in (0, 1) (0 disables the task rows)")
   tok = load_tokenizer(data_dir)
   hay = Haystack.from_corpus(data_dir, tokenizer=tok, split="train", max_chars=max_haystack_chars)
   rows = TaskRows(hay, tok, seq_len=seq_len, seed=seed32(seed, 0x7A5C), tasks=tasks, questions=questions,
-                  text_loss=text_loss, placement=placement)
+                  text_loss=text_loss, placement=placement, lengths=lengths)
   # Read inline: grain's default read-ahead would generate a thousand rows before the first batch.
   task_ds = grain.MapDataset.source(rows)[process_index::process_count].to_iter_dataset(
       grain.ReadOptions(num_threads=0, prefetch_buffer_size=16))

@@ -209,7 +209,8 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
                        process_index: int = 0, process_count: int = 1, num_packing_bins: int | None = None,
                        shuffle_bins: bool = True, num_workers: int = 0, read_threads: int = 0,
                        task_share: float = 0.0, tasks: Sequence[str] | str = "", task_questions: int = 1,
-                       task_text_loss: bool = False, task_placement: str = "end") -> grain.IterDataset:
+                       task_text_loss: bool = False, task_placement: str = "end",
+                       task_lengths: Sequence[int] = ()) -> grain.IterDataset:
   """Infinite packed LM batches of this process's share of the train split; see the module docstring.
 
   Args:
@@ -229,8 +230,8 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
     task_share: > 0 replaces that share of the rows (drawn per row) by synthetic long-context task rows
       (`m3_jax.data.long_tasks`: haystack from the train split, loss on the answer only), each a full row.
     tasks: the task names for those rows ("" or "all": every task).
-    task_questions, task_text_loss, task_placement: questions per task row, loss on its haystack text, where its
-      questions go (long_tasks.TaskRows).
+    task_questions, task_text_loss, task_placement, task_lengths: questions per task example, loss on its
+      haystack text, where its questions go, example lengths packed into a row (long_tasks.TaskRows).
 
   Returns:
     A `grain.IterDataset`; `it = iter(ds)` yields batch dicts of [global_batch_size // process_count, seq_len]
@@ -253,7 +254,7 @@ def make_train_dataset(data_dir: str, *, seq_len: int, global_batch_size: int, s
                                    seq_len=seq_len, seed=seed32(seed, 2),
                                    process_index=process_index, process_count=process_count,
                                    questions=int(task_questions), text_loss=bool(task_text_loss),
-                                   placement=str(task_placement))
+                                   placement=str(task_placement), lengths=tuple(task_lengths))
   out = out.batch(local, drop_remainder=True)
   return mp_prefetch(out, num_workers) if num_workers else out
 

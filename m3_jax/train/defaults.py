@@ -27,9 +27,10 @@ def base_config() -> ml_collections.ConfigDict:
   # of the training rows, loss on the answer only; names "" = every task. Text configs only. questions > 1: each
   # task row asks that many questions about its haystack (more retrieval signal per row); text_loss: the row's
   # haystack text is trained on too; placement "interleaved" puts each question (with its answer) at a random
-  # point after its needle instead of after the haystack ("end").
+  # point after its needle instead of after the haystack ("end"); lengths "512,2048,16384": each task row packs
+  # examples of one of these lengths, each its own segment (short ones teach retrieval; needs document_mask).
   c.data.tasks = ml_collections.ConfigDict(dict(share=0.0, names="", questions=1, text_loss=False,
-                                                placement="end"))
+                                                placement="end", lengths=""))
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000
