@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Throughput and a per-op profile of whole training steps, several runs side by side in one GPU call: each
+# NAME=CONFIG[:ARG] [flags] trains STEPS steps through experiments.bench_train (tokens/s = median of the logged
+# intervals, logging every 5 steps), traces the last steps but two (train.profile_steps), and summarises each trace's
+# device time per op (experiments.trace_summary). Everything lands in $OUT/profile_train.tar.gz (JSON, logs, op
+# tables); the op tables' heads are printed. From the repo root on the GPU box:
+#   DATA=.gpudata OUT=$OUT STEPS=30 bash experiments/profile_train.sh \
+#       "cap=configs/small_lm.py:moe=True,moe_impl=capacity" "mosaic=configs/small_lm.py:moe=True,moe_impl=ragged ..."
+set -uo pipefail
+DATA=${DATA:-data}
+OUT=${OUT:-/tmp/profile_train}
+STEPS=${STEPS:-30}
+RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+PY=${PY:-python3}
+dir=$OUT/profile_train
+mkdir -p "$dir"
+runs=()
+for spec in "$@"; do
+  name=${spec%%=*}; rest=${spec#*=}; config=${rest%% *}; flags=${rest#"$config"}
+  case $config in *:*) config="$config,steps=$STEPS";; *) config="$config:steps=$STEPS";; esac
+  runs+=(--run "$name=$config --config.data.dir=$DATA --config.train.log_every=5 \
+--config.train.profile_steps=$((STEPS - 4)),$((STEPS - 2))$flags")
+done
+$PY -m experiments.bench_train --out="$dir/bench.json" --workroot=/tmp/profile_train --run_timeout="$RUN_TIMEOUT" \
+  "${runs[@]}"
+for spec in "$@"; do
+  name=${spec%%=*}
+  $PY -m experiments.trace_summary "/tmp/profile_train/$name/profile" --steps=3 --top=30 --device="${TRACE_DEVICE:-GPU}" --out="$dir/${name}_ops.json" \
+    >"$dir/${name}_ops.txt" 2>&1
+  echo "== $name"; head -14 "$dir/${name}_ops.txt"
+done
+tar -czf "$OUT/profile_train.tar.gz" -C "$OUT" profile_train && rm -rf "$dir"
