@@ -71,7 +71,7 @@ def load_balance_loss(scores: jax.Array, idx: jax.Array, num_experts: int, mask:
   """
   n, k = idx.shape
   m = jnp.ones((n,), jnp.float32) if mask is None else mask.astype(jnp.float32)
-  counts = jnp.zeros((num_experts,), jnp.float32).at[idx.reshape(-1)].add(jnp.repeat(m, k))
+  counts = jnp.einsum("nke,n->e", jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), m)  # a sum: no atomics
   denom = jnp.maximum(jnp.sum(m), 1.0)
   f = counts / (denom * k)
   p = jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True) * m[:, None], axis=0) / denom
@@ -114,18 +114,15 @@ class MoE(nnx.Module):
       self.e_score_correction_bias[...] = balance_bias_step(bias, load, rate)
 
   def _experts_ragged(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
-    """x: [N, d]; w, idx: [N, k] -> [N, d]."""
+    """x: [N, d]; w, idx: [N, k] -> [N, d] f32. Dispatch and combine are gathers both ways (gather_slots)."""
     n, k = idx.shape
-    e = self.dims.num_experts
-    flat = idx.reshape(-1)  # [N*k]
-    order = jnp.argsort(flat, stable=True)
-    token = order // k  # which token each sorted slot belongs to
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    y = moe_parallel.grouped_swiglu(x[token], group_sizes, self.gate_up[...].astype(self.dtype),
-                                    self.down[...].astype(self.dtype), alpha=self.dims.alpha,
-                                    limit=self.dims.limit, matmul_impl=self.dims.matmul_impl)  # [N*k, d] f32
-    y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((n, self.dims.d_model), jnp.float32).at[token].add(y)
+    order, inverse, group_sizes = moe_parallel.sort_slots(idx, self.dims.num_experts)
+    y = moe_parallel.grouped_swiglu(moe_parallel.gather_slots(x, order, inverse, k), group_sizes,
+                                    self.gate_up[...].astype(self.dtype), self.down[...].astype(self.dtype),
+                                    alpha=self.dims.alpha, limit=self.dims.limit,
+                                    matmul_impl=self.dims.matmul_impl)  # [N k, d] f32, sorted by expert
+    y = moe_parallel.gather_slots(y, inverse, order, 1).reshape(n, k, -1)  # [N, k, d]: each token's slots
+    return jnp.einsum("nkd,nk->nd", y, w)
 
   def _experts_expert_parallel(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """x: [N, d]; w, idx: [N, k] -> [N, d] f32."""
@@ -151,19 +148,18 @@ class MoE(nnx.Module):
     e, dm = self.dims.num_experts, self.dims.d_model
     cap = max(1, int(-(-self.dims.capacity_factor * n * k // e)))
     flat = idx.reshape(-1)  # [N*k]
-    token = jnp.arange(n * k) // k
     onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)  # [N*k, E]
     slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # rank of the assignment in its expert
     keep = slot < cap
     slot = jnp.where(keep, slot, cap)  # out of range: dropped by mode="drop" below
-    buf = jnp.zeros((e, cap, dm), x.dtype).at[flat, slot].set(x[token], mode="drop")  # [E, C, d]
+    buf = jnp.zeros((e, cap, dm), x.dtype).at[flat, slot].set(jnp.repeat(x, k, axis=0), mode="drop")  # [E, C, d]
     buf = constrain(buf, ("activation_exp", None, "activation_embed"))
     gu = jnp.einsum("ecd,edgi->ecgi", buf, self.gate_up[...].astype(self.dtype), preferred_element_type=jnp.float32)
     h = swiglu_oai(gu[:, :, 0], gu[:, :, 1], alpha=self.dims.alpha, limit=self.dims.limit).astype(self.dtype)
     y = jnp.einsum("eci,eid->ecd", h, self.down[...].astype(self.dtype), preferred_element_type=jnp.float32)
     got = y.at[flat, slot].get(mode="fill", fill_value=0.0)  # [N*k, d]; dropped -> 0
-    got = got * (w.reshape(-1) * keep)[:, None]
-    return jnp.zeros((n, dm), jnp.float32).at[token].add(got)
+    got = got.reshape(n, k, dm) * (w * keep.reshape(n, k))[..., None]  # [N, k, d]
+    return jnp.sum(got, axis=1)
 
   def __call__(self, x: jax.Array, mask: jax.Array | None = None):
     """x: [B, T, d]; mask: [B, T] real-token mask for the balance statistics. Returns (y [B, T, d], aux)."""

@@ -23,6 +23,8 @@ XLA:CPU"), and the tests of this path run on fake CPU devices.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -58,6 +60,41 @@ def check_divisible(num_experts: int, intermediate: int, num_tokens: int) -> Non
                      f"{dict(mesh.shape)})")
 
 
+def sort_slots(idx: jax.Array, num_experts: int):
+  """The routed slots sorted by expert, for the grouped matmuls. idx: [N, k] expert ids -> (order [N k]: the flat
+  slot (token * k + j) at each sorted position; inverse [N k]: the sorted position of each flat slot;
+  group_sizes [E] int32). Counting by a one-hot sum rather than `bincount` keeps atomics out of the step."""
+  flat = idx.reshape(-1)  # [N k]
+  order = jnp.argsort(flat, stable=True)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(flat.shape[0], dtype=order.dtype), unique_indices=True)
+  group_sizes = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
+  return order, inverse, group_sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_slots(x: jax.Array, perm: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+  """x: [N, ...] -> [N k, ...], row s = x[perm[s] // k], where perm is a permutation of range(N k) and inverse its
+  inverse. Dispatch is gather_slots(tokens, order, inverse, k); the combine's return to slot order is
+  gather_slots(sorted_outputs, inverse, order, 1). The backward is again a gather (through the inverse
+  permutation) plus a sum over each row's k copies: autodiff of x[rows] would scatter-add into x, one atomic add
+  per element, which XLA's GPU backend runs far slower than a gather."""
+  return x[perm // k]
+
+
+def _gather_slots_fwd(x, perm, inverse, k):
+  return gather_slots(x, perm, inverse, k), (perm, inverse)
+
+
+def _gather_slots_bwd(k, res, g):
+  perm, inverse = res
+  back = g[inverse]  # [N k, ...]: slot order
+  dx = jnp.sum(back.reshape(back.shape[0] // k, k, *back.shape[1:]), axis=1) if k > 1 else back
+  return dx, None, None
+
+
+gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
+
+
 def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, alpha: float,
                    limit: float, matmul_impl: str = "xla") -> jax.Array:
   """xs: [M, d] rows sorted by (local) expert; group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc];
@@ -90,24 +127,23 @@ def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.
     dm = x.shape[-1]
     cap = n * min(k, e_loc)
     flat = idx.reshape(-1)  # [n k]
-    token = jnp.arange(n * k) // k
     dest = flat // e_loc  # [n k]: the shard that holds the slot's expert
     onehot = jax.nn.one_hot(dest, ep, dtype=jnp.int32)  # [n k, ep]
     pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # [n k]: row in its shard's buffer
-    send = jnp.zeros((ep, cap, dm), x.dtype).at[dest, pos].set(x[token])  # [ep, C, d]
+    send = jnp.zeros((ep, cap, dm), x.dtype).at[dest, pos].set(jnp.repeat(x, k, axis=0))  # [ep, C, d]
     send_id = jnp.full((ep, cap), -1, jnp.int32).at[dest, pos].set(flat % e_loc)  # [ep, C]; -1: empty row
     recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: block j from shard j
     recv_id = jax.lax.all_to_all(send_id, EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C]
     rows, ids = recv.reshape(ep * cap, dm), recv_id.reshape(ep * cap)  # [M, d], [M]
     key = jnp.where(ids < 0, e_loc, ids)  # empty rows sort past the last expert: no group, never multiplied
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)  # [E_loc]; bincount drops key e_loc
-    y_sorted = grouped_swiglu(rows[order], group_sizes, gate_up, down, alpha=alpha, limit=limit,
-                              matmul_impl=matmul_impl)  # [M, d]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # back to the received order
+    order, inverse, group_sizes = sort_slots(key[:, None], e_loc + 1)
+    group_sizes = group_sizes[:e_loc]  # [E_loc]; the empty rows' group e_loc is never multiplied
+    y_sorted = grouped_swiglu(gather_slots(rows, order, inverse, 1), group_sizes, gate_up, down, alpha=alpha,
+                              limit=limit, matmul_impl=matmul_impl)  # [M, d]
+    y = gather_slots(y_sorted, inverse, order, 1)  # back to the received order
     back = jax.lax.all_to_all(y.reshape(ep, cap, dm), EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: my slots
-    got = back[dest, pos] * w.reshape(-1)[:, None]  # [n k, d]
-    return jnp.zeros((n, dm), jnp.float32).at[token].add(got)  # [n, d]
+    got = back[dest, pos].reshape(n, k, dm)  # [n, k, d]
+    return jnp.einsum("nkd,nk->nd", got, w)  # [n, d] f32
 
   def local(x, w, idx, gate_up, down):
     n, dm = x.shape
