@@ -25,8 +25,8 @@ $PY -m experiments.bench_train --out="$dir/bench.json" --workroot=/tmp/profile_t
   "${runs[@]}"
 for spec in "$@"; do
   name=${spec%%=*}
-  $PY -m experiments.trace_summary "/tmp/profile_train/$name/profile" --steps=3 --top=30 --device="${TRACE_DEVICE:-GPU}" --out="$dir/${name}_ops.json" \
-    >"$dir/${name}_ops.txt" 2>&1
+  $PY -m experiments.trace_summary "/tmp/profile_train/$name/profile" --steps=3 --top=30 \
+    --device="${TRACE_DEVICE:-GPU}" --out="$dir/${name}_ops.json" >"$dir/${name}_ops.txt" 2>&1
   echo "== $name"; head -14 "$dir/${name}_ops.txt"
 done
 tar -czf "$OUT/profile_train.tar.gz" -C "$OUT" profile_train && rm -rf "$dir"
