@@ -208,9 +208,9 @@ def test_diagnostics_cadence_keeps_losses_and_gradients():
     TextModel(msa_cfg(msa_metrics_every=0), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("policy", ["full", "save_selection"])
+@pytest.mark.parametrize("policy", ["full", "save_selection", "save_matmuls"])
 def test_remat_policies_keep_losses_and_gradients(policy):
-  """remat (either policy) gives the LM and KL losses and gradients of the model without remat (f32); the
+  """remat (any policy) gives the LM and KL losses and gradients of the model without remat (f32); the
   save_selection policy keeps the top-k out of the backward's recompute: one top_k per MSA layer in the whole
   gradient program, against two for full remat (forward + recompute)."""
   cfg = msa_cfg(layer_types=["minimax_m3_sparse", "minimax_m3_sparse"])
@@ -230,4 +230,4 @@ def test_remat_policies_keep_losses_and_gradients(policy):
     return jnp.mean(logits) + aux["kl_loss"]
 
   top_ks = _count_primitive(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, "top_k")
-  assert top_ks == {"full": 4, "save_selection": 2}[policy], top_ks
+  assert top_ks == {"full": 4, "save_selection": 2, "save_matmuls": 2}[policy], top_ks

@@ -5,6 +5,7 @@ HF checkpoints; the two layouts convert into each other exactly."""
 import os
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,6 +33,8 @@ def moe_cfg(**kw):
 
 CONFIGS = {
     "tiny_lm_moe": lambda: moe_cfg(remat=True),
+    # no remat: the scan still runs its body under the save_matmuls policy (LayerStack.__call__)
+    "tiny_lm_moe_no_remat": lambda: moe_cfg(),
     # layer 0 dense, layers 1-2 MSA (block 4, top 2: sparsity is active at 24 tokens)
     "tiny_msa": lambda: msa_cfg(num_hidden_layers=3, layer_types=["full_attention"] + ["minimax_m3_sparse"] * 2,
                                 mlp_layer_types=["dense"] * 3, remat=True),
@@ -112,7 +115,7 @@ def test_stacked_and_per_layer_layouts_round_trip_exactly():
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_losses_gradients_and_aux_match_the_unscanned_model(name):
-  """With remat on: the same loss, gradients (compared per layer), MoE balance loss and expert_load rows, KL loss,
+  """With remat on or off: the same loss, gradients (compared per layer), MoE balance loss and expert_load rows, KL loss,
   per-layer metric keys (true layer indices) and values."""
   cfg = CONFIGS[name]()
   plain, scanned = pair(cfg)
@@ -131,6 +134,40 @@ def test_losses_gradients_and_aux_match_the_unscanned_model(name):
   else:
     assert aux_p["expert_load"].shape == (2, 4)  # rows: layers 1, 2
     np.testing.assert_allclose(np.asarray(aux_s["expert_load"]), np.asarray(aux_p["expert_load"]), atol=1e-7)
+
+
+def _forward_scan_residuals(model, x):
+  """The [count, ...] arrays the forward scan of `model`'s first stack hands to the backward (abstract values)."""
+  graphdef, state = nnx.split(model)
+  count = model.layers[1].count
+
+  def loss(st):
+    logits, aux = nnx.merge(graphdef, st)(x)
+    return jnp.mean(logits.astype(jnp.float32)) + aux["moe_aux_loss"]
+
+  def scans(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan":
+        yield eqn
+      for p in eqn.params.values():
+        if isinstance(p, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+          yield from scans(getattr(p, "jaxpr", p))
+
+  forward = next(scans(jax.make_jaxpr(jax.grad(loss))(state).jaxpr))
+  return [v.aval for v in forward.outvars if v.aval.shape[:1] == (count,)]
+
+
+def test_scanned_bf16_model_stacks_no_f32_activations_for_the_backward():
+  """Without remat, a scanned bf16 model keeps the backward's residuals in bf16: the f32 upcasts inside norms, RoPE
+  and SwiGLU are recomputed in the backward, not stacked [count, B, T, ...] in f32 by the forward loop (which
+  doubled those bytes and made the scanned step slower than the unrolled one on the GPU)."""
+  x = ids()
+  model = TextModel(moe_cfg(scan_layers=True, dtype="bfloat16"), rngs=nnx.Rngs(0))
+  residuals = _forward_scan_residuals(model, x)
+  # [count, B, T, ..., F] with F a feature axis (>= head_dim); the norms' f32 statistics ([count, B, T, heads])
+  # are small and stay saved
+  activations = [a for a in residuals if a.ndim > 3 and a.shape[1:3] == x.shape and a.shape[-1] >= model.cfg.head_dim]
+  assert activations and all(a.dtype == jnp.bfloat16 for a in activations), [a.str_short() for a in activations]
 
 
 def test_captured_attention_matches():

@@ -24,8 +24,10 @@ MLP_LAYER_TYPES = (MLP_DENSE, MLP_MOE)
 MOE_IMPLS = ("ragged", "dense", "capacity", "expert_parallel")
 GROUPED_MATMUL_IMPLS = ("xla", "tiled", "mosaic", "tokamax")
 # With remat: "full" recomputes the whole layer in the backward; "save_selection" keeps each MSA layer's block
-# selection (int32 [B, Hkv, T, topk]) from the forward, so the recompute skips the index scoring and the top-k.
-REMAT_POLICIES = ("full", "save_selection")
+# selection (int32 [B, Hkv, T, topk]) from the forward, so the recompute skips the index scoring and the top-k;
+# "save_matmuls" keeps every matmul, attention and kernel output and recomputes only the elementwise, layout and
+# gather work between them (what XLA's fusion recomputes anyway when the layers are not scanned).
+REMAT_POLICIES = ("full", "save_selection", "save_matmuls")
 # msa_selection values: "per_group" is M3 (one block set per query and GQA group); "shared" is the ablation of one
 # set per query for all groups (DeepSeek DSA's design applied to GQA).
 MSA_SELECTIONS = ("per_group", "shared")
