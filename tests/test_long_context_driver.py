@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from experiments.long_context import __main__ as main_module
-from experiments.long_context import stats
+from experiments.long_context import stats, sweep
 from m3_jax.data import text_prepare
 from m3_jax.train.metrics import read_metrics
 from tests.train_utils import REPO, license_texts
@@ -105,6 +105,22 @@ def test_driver_cpu_two_arms_end_to_end(data_dir, tmp_path):
     assert json.load(f)["summary"] == res["summary"]
   with pytest.raises(SystemExit, match="expected I/N"):
     main_module.parse_shard("1of2")
+
+
+def test_cpu_model_sets_the_tiny_models_depth_and_width():
+  a = main_module.parse_args(["--cpu_model=hidden_size=128,num_hidden_layers=4,head_dim=32"])
+  m = sweep.make_config("cpu", "msa_per_group", 0, steps=4, data_dir="data", overrides=[], model=a.cpu_model).model
+  assert (m.hidden_size, m.num_hidden_layers, m.head_dim, m.rotary_dim) == (128, 4, 32, 8)
+  # the depth reaches layer_types (which --override could not): layer 0 dense, the rest the arm's
+  assert tuple(m.layer_types) == ("full_attention",) + ("minimax_m3_sparse",) * 3
+  assert tuple(m.mlp_layer_types) == ("dense",) * 4
+  assert sweep.make_config("cpu", "dense", 0, steps=4, data_dir="data", overrides=[]).model.num_hidden_layers == 2
+  for spec, match in [("width=128", "not KEY=VALUE"), ("hidden_size", "not KEY=VALUE"),
+                      ("num_hidden_layers=9", "expected 1 to 8")]:
+    with pytest.raises(SystemExit, match=match):
+      sweep.make_config("cpu", "dense", 0, steps=4, data_dir="data", overrides=[], model=spec)
+  with pytest.raises(SystemExit, match="is for --size=cpu"):
+    sweep.make_config("gpu", "dense", 0, steps=4, data_dir="data", overrides=[], model="hidden_size=128")
 
 
 def test_verdict_from_numbers():

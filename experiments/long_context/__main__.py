@@ -16,6 +16,8 @@ from experiments.long_context import report, sweep
 def parse_args(argv=None) -> argparse.Namespace:
   ap = argparse.ArgumentParser(prog="python -m experiments.long_context", description=package.__doc__.split("\n")[0])
   ap.add_argument("--size", default="cpu", help="gpu (configs/small_msa.py) | cpu (2 layers, width 64, 256 tokens)")
+  ap.add_argument("--cpu_model", default="", help="--size=cpu: KEY=VALUE,... of its model (sweep.CPU_MODEL), e.g. "
+                  "hidden_size=128,num_hidden_layers=4,head_dim=32,rotary_dim=32,dense_intermediate_size=512")
   ap.add_argument("--arms", default=",".join(sweep.ARMS), help=f"any of {', '.join(sweep.ARMS)}")
   ap.add_argument("--seeds", default="", help="comma-separated seeds for every arm (default: 0,1,2 for "
                   f"{', '.join(sweep.MAIN_ARMS)}; 0 for the others)")
@@ -73,8 +75,8 @@ def main(argv=None):
   a = parse_args(argv)
   arms = [s.strip() for s in a.arms.split(",") if s.strip()]
   shard = parse_shard(a.shard)
-  for arm in arms:
-    sweep.make_config(a.size, arm, 0, steps=a.steps, data_dir=a.data_dir, overrides=[])  # names checked first
+  for arm in arms:  # names checked first
+    sweep.make_config(a.size, arm, 0, steps=a.steps, data_dir=a.data_dir, overrides=[], model=a.cpu_model)
   sweep_dir = os.path.abspath(a.sweep_dir)
   os.makedirs(sweep_dir, exist_ok=True)
   enable_compilation_cache(a.compilation_cache, sweep_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from configs.small_msa import LAYERS
 from experiments.lib import sweep as lib_sweep
 from experiments.lib import training
 from experiments.lib.config import apply_overrides, config_arg, load_config
@@ -35,6 +36,21 @@ CPU_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "head_dim": 16, "rotary_
              "index_head_dim": 16, "dtype": "float32"}
 
 
+def cpu_model(spec: str) -> dict:
+  """CPU_MODEL with --cpu_model's "KEY=VALUE,..." fields (keys of CPU_MODEL, values of their types), e.g.
+  "hidden_size=128,num_hidden_layers=4": --override cannot change the depth, since layer_types is cut to it first."""
+  out = dict(CPU_MODEL)
+  for item in (x.strip() for x in spec.split(",") if x.strip()):
+    key, eq, value = item.partition("=")
+    if not eq or key not in CPU_MODEL:
+      raise SystemExit(f"--cpu_model: {item!r} is not KEY=VALUE with KEY one of {', '.join(CPU_MODEL)}")
+    out[key] = type(CPU_MODEL[key])(value)
+  if not 1 <= out["num_hidden_layers"] <= LAYERS:
+    raise SystemExit(f"--cpu_model: num_hidden_layers={out['num_hidden_layers']}; expected 1 to {LAYERS} "
+                     "(configs/small_msa.py's layers)")
+  return out
+
+
 def seeds_of(arm: str, spec: str) -> list[int]:
   """--seeds (the same for every arm), or 0,1,2 for the main arms and 0 for the others."""
   if spec:
@@ -43,8 +59,9 @@ def seeds_of(arm: str, spec: str) -> list[int]:
 
 
 def make_config(size: str, arm: str, seed: int, *, steps: int, data_dir: str, overrides: list[str],
-                extra_arg: str = "", attention: str | None = None):
-  """configs/small_msa.py for one arm and seed (attention= forces dense or msa: the phases of dense_to_msa)."""
+                extra_arg: str = "", attention: str | None = None, model: str = ""):
+  """configs/small_msa.py for one arm and seed (attention= forces dense or msa: the phases of dense_to_msa; model:
+  --cpu_model's fields, CPU size only)."""
   if size not in SIZE_ARGS:
     raise SystemExit(f"--size={size!r}: expected gpu or cpu")
   if arm not in ARMS:
@@ -55,9 +72,11 @@ def make_config(size: str, arm: str, seed: int, *, steps: int, data_dir: str, ov
   arg = config_arg(SIZE_ARGS[size], arm_arg, f"steps={steps}" if steps else "", extra_arg)
   c = load_config("small_msa", arg, data_dir=data_dir, overrides=[])
   c.train.seed = seed
+  if model and size != "cpu":
+    raise SystemExit(f"--cpu_model={model!r} is for --size=cpu (the gpu size is configs/small_msa.py's model)")
   if size == "cpu":
     m = c.model
-    for k, v in CPU_MODEL.items():
+    for k, v in cpu_model(model).items():
       m[k] = v
     m.layer_types = tuple(m.layer_types[:m.num_hidden_layers])  # layer 0 dense, the rest as the arm says
     m.mlp_layer_types = ("dense",) * m.num_hidden_layers
@@ -73,7 +92,8 @@ def make_config(size: str, arm: str, seed: int, *, steps: int, data_dir: str, ov
 
 def arm_config(a: argparse.Namespace, arm: str, seed: int, **kw):
   """make_config with the command line's size, steps, data, task mix, overrides and config arguments."""
-  c = make_config(a.size, arm, seed, steps=a.steps, data_dir=a.data_dir, overrides=[], extra_arg=a.config_arg, **kw)
+  c = make_config(a.size, arm, seed, steps=a.steps, data_dir=a.data_dir, overrides=[], extra_arg=a.config_arg,
+                  model=a.cpu_model, **kw)
   if a.task_share > 0:
     c.data.tasks.share = a.task_share
     c.data.tasks.names = a.tasks
@@ -175,4 +195,4 @@ def build_meta(a: argparse.Namespace, arms: list[str], sweep_dir: str) -> dict:
           "eval_tasks": a.eval_tasks, "lengths": lengths_of(a, int(c.train.seq_len)), "depths": a.depths,
           "samples": a.samples, "convert_at": a.convert_at, "convert_warmup": a.convert_warmup,
           "device": lib_sweep.device_description(sweep_dir, a.report_only), "note": a.note,
-          "config_arg": a.config_arg, "overrides": a.override}
+          "config_arg": a.config_arg, "cpu_model": a.cpu_model, "overrides": a.override}
