@@ -33,11 +33,11 @@ LAYER_AXIS = "layers"
 # backward's own kernels. Everything else (dot_general, attention and Pallas / Mosaic kernels, sorts, reductions)
 # stays saved.
 _RECOMPUTED_PRIMITIVES = frozenset((
-    "abs", "add", "add_any", "and", "broadcast_in_dim", "clamp", "concatenate", "convert_element_type", "copy",
-    "copy_p", "cos", "div", "dynamic_slice", "eq", "erf", "exp", "exp2", "expand_dims", "gather", "ge", "gt",
-    "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not",
-    "one_minus_square", "or", "pad", "pow", "reduce_precision", "reshape", "rev", "rsqrt", "select_n",
-    "sharding_constraint", "sign", "sin", "slice", "sqrt", "square", "squeeze", "sub", "tanh", "transpose"))
+    "abs", "add", "add_any", "and", "broadcast_in_dim", "clamp", "concatenate", "convert_element_type", "copy", "cos",
+    "div", "dynamic_slice", "eq", "erf", "exp", "exp2", "gather", "ge", "gt", "integer_pow", "iota", "le", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "one_minus_square", "or", "pad", "pow",
+    "reduce_precision", "reshape", "rev", "rsqrt", "select_n", "sharding_constraint", "sign", "sin", "slice", "split",
+    "sqrt", "square", "squeeze", "sub", "tanh", "transpose"))
 
 
 def _save_matmuls(prim, *_, **__) -> bool:
