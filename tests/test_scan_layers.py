@@ -115,8 +115,8 @@ def test_stacked_and_per_layer_layouts_round_trip_exactly():
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_losses_gradients_and_aux_match_the_unscanned_model(name):
-  """With remat on or off: the same loss, gradients (compared per layer), MoE balance loss and expert_load rows, KL loss,
-  per-layer metric keys (true layer indices) and values."""
+  """With remat on or off: the same loss, gradients (compared per layer), MoE balance loss and expert_load rows,
+  KL loss, per-layer metric keys (true layer indices) and values."""
   cfg = CONFIGS[name]()
   plain, scanned = pair(cfg)
   x = ids()
