@@ -7,6 +7,18 @@ from flax import nnx
 from m3_jax.models.config import TextConfig
 
 
+def jaxpr_eqns(jaxpr):
+  """Every equation of a jaxpr in program order, each followed by those of its sub-jaxprs (pjit, remat, scan, cond
+  branches, custom rules; closed or open)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from jaxpr_eqns(inner)
+
+
 def randomize(model, seed=0, std=0.3):
   """Non-trivial values everywhere (norm scales, router bias) so every term of the formulas is exercised."""
   state = nnx.state(model)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from m3_jax.models.transformer import TextModel
 from m3_jax.train.steps import cross_entropy
-from tests.model_utils import msa_cfg, randomize
+from tests.model_utils import jaxpr_eqns, msa_cfg, randomize
 
 
 def ids(t=24, b=2, seed=0, vocab=101):
@@ -171,15 +171,7 @@ def test_pallas_training_step_with_lse_fusion_matches_xla():
 
 def _count_primitive(jaxpr, name: str) -> int:
   """Occurrences of primitive `name` in a jaxpr, sub-jaxprs (remat, pjit, cond, custom rules) included."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == name
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (list, tuple)) else [p]):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          n += _count_primitive(inner, name)
-  return n
+  return sum(eqn.primitive.name == name for eqn in jaxpr_eqns(jaxpr))
 
 
 def test_diagnostics_cadence_keeps_losses_and_gradients():

@@ -5,7 +5,6 @@ HF checkpoints; the two layouts convert into each other exactly."""
 import os
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from m3_jax.models.config import TextConfig
 from m3_jax.models.transformer import (LayerStack, TextModel, layer_locations, layer_runs, stack_layers,
                                        unstack_layers)
 from m3_jax.train.optimizer import decay_mask
-from tests.model_utils import msa_cfg, numpy_values
+from tests.model_utils import jaxpr_eqns, msa_cfg, numpy_values
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 STEP = {"step": jnp.int32(10**6)}  # past any warmup; an odd step + 1, so recall metrics are computed
@@ -145,15 +144,7 @@ def _forward_scan_residuals(model, x):
     logits, aux = nnx.merge(graphdef, st)(x)
     return jnp.mean(logits.astype(jnp.float32)) + aux["moe_aux_loss"]
 
-  def scans(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "scan":
-        yield eqn
-      for p in eqn.params.values():
-        if isinstance(p, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-          yield from scans(getattr(p, "jaxpr", p))
-
-  forward = next(scans(jax.make_jaxpr(jax.grad(loss))(state).jaxpr))
+  forward = next(e for e in jaxpr_eqns(jax.make_jaxpr(jax.grad(loss))(state).jaxpr) if e.primitive.name == "scan")
   return [v.aval for v in forward.outvars if v.aval.shape[:1] == (count,)]
 
 

@@ -29,6 +29,7 @@ from m3_jax.train.metrics import read_metrics
 from m3_jax.train.optimizer import make_optimizer
 from m3_jax.train.state import TrainState
 from m3_jax.train.steps import forward, make_eval_step, make_train_step
+from tests.model_utils import jaxpr_eqns
 from tests.train_utils import REPO, license_texts
 
 # End-to-end training runs (each compiles and trains a model): the full suite only, not the fast tier.
@@ -259,20 +260,15 @@ def test_bad_batch_fails_before_compilation(vl_data, tmp_path, monkeypatch, caps
 # ---- cost ---------------------------------------------------------------------------------------------------------
 
 def _dot_flops(jaxpr) -> float:
-  """2 x multiply-adds of every dot_general in a jaxpr, sub-jaxprs included."""
+  """2 x multiply-adds of every dot_general in a jaxpr, sub-jaxprs (pjit, remat, custom_jvp, ...) included."""
   total = 0.0
-  for eqn in jaxpr.eqns:
+  for eqn in jaxpr_eqns(jaxpr):
     if eqn.primitive.name == "dot_general":
       (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
       a, b = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
       free_a = [d for i, d in enumerate(a) if i not in lc and i not in lb]
       free_b = [d for i, d in enumerate(b) if i not in rc and i not in rb]
       total += 2.0 * math.prod(a[i] for i in lb) * math.prod(a[i] for i in lc) * math.prod(free_a) * math.prod(free_b)
-    for p in eqn.params.values():  # pjit, remat, custom_jvp, ... bodies (a Jaxpr, or a closed one)
-      for sub in (p if isinstance(p, (tuple, list)) else [p]):
-        sub = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-        if hasattr(sub, "eqns"):
-          total += _dot_flops(sub)
   return total
 
 

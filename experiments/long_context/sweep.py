@@ -66,14 +66,14 @@ def make_config(size: str, arm: str, seed: int, *, steps: int, data_dir: str, ov
     raise SystemExit(f"--size={size!r}: expected gpu or cpu")
   if arm not in ARMS:
     raise SystemExit(f"--arms: {arm!r} is not an arm; expected one of {', '.join(ARMS)}")
+  if model and size != "cpu":
+    raise SystemExit(f"--cpu_model={model!r} is for --size=cpu (the gpu size is configs/small_msa.py's model)")
   arm_arg = ARM_ARGS[size][arm]
   if attention is not None:
     arm_arg = config_arg(arm_arg, f"attention={attention}")
   arg = config_arg(SIZE_ARGS[size], arm_arg, f"steps={steps}" if steps else "", extra_arg)
   c = load_config("small_msa", arg, data_dir=data_dir, overrides=[])
   c.train.seed = seed
-  if model and size != "cpu":
-    raise SystemExit(f"--cpu_model={model!r} is for --size=cpu (the gpu size is configs/small_msa.py's model)")
   if size == "cpu":
     m = c.model
     for k, v in cpu_model(model).items():
