@@ -17,6 +17,7 @@ from m3_jax import eval_long, inference
 from m3_jax.core.batch import EOT, TEXT_KEYS
 from m3_jax.data import long_tasks as lt
 from m3_jax.data import text_pipeline, text_prepare
+from m3_jax.data.tokenizer import train_bpe
 from m3_jax.train import evaluation, trainer
 from tests.train_utils import REPO, license_texts, small_config
 
@@ -31,6 +32,29 @@ def corpus(tmp_path_factory):
   text_prepare.prepare(d, sources=(), text_files={"licenses": license_texts()}, vocab_size=512, verbose=False)
   tok = text_prepare.load_tokenizer(d)
   return d, tok, lt.Haystack.from_corpus(d, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def digit_corpus():
+  """A byte-level BPE whose digit merges make the answers' token counts vary from draw to draw (the corpus
+  tokenizer above gives every 5- or 7-digit number one token per digit), and the licence texts as its haystack."""
+  texts = []
+  for path in license_texts():
+    with open(path) as f:
+      texts.append(f.read())
+  rng = np.random.default_rng(0)
+  digits = rng.choice(list("0123456789"), size=12000, p=[.3, .2, .1, .1] + [.05] * 6)  # a skewed mix: some pairs merge
+  numbers = " ".join("".join(digits[i:i + 4]) for i in range(0, len(digits), 4))
+  tok = train_bpe(texts + [numbers], vocab_size=768)
+  return tok, lt.Haystack.from_texts(texts, tok)
+
+
+def _after_the_closing_eot(targets: np.ndarray, on: np.ndarray) -> int:
+  """How many targets follow the row's last loss target, after checking that they are all <|endoftext|> padding
+  without loss."""
+  last = int(np.flatnonzero(on)[-1])
+  assert (targets[last + 1:] == EOT).all() and not on[last + 1:].any()
+  return len(targets) - 1 - last
 
 
 @pytest.mark.parametrize("task", lt.TASKS)
@@ -100,7 +124,8 @@ def test_training_rows_mix_task_rows_with_loss_on_the_answer(corpus):
   assert 0 < len(task_rows) < len(rows)
   for b, i in task_rows:
     m = b["loss_mask"][i] > 0
-    assert m[-1] and b["targets"][i, -1] == EOT and (b["segment_ids"][i] == 1).all()
+    assert b["targets"][i][m][-1] == EOT and (b["segment_ids"][i] == 1).all()
+    _after_the_closing_eot(b["targets"][i], m)
     answer = tok.decode(b["targets"][i][m][:-1])
     first = int(np.argmax(m))
     question = tok.decode(b["inputs"][i][:first + 1])
@@ -137,8 +162,10 @@ def test_training_row_asks_each_question_once_about_its_haystack(corpus, seed, p
   again = lt.make_training_row(lt.TASKS, **kw)
   np.testing.assert_array_equal(toks, again[0])
   np.testing.assert_array_equal(kinds, again[1])
-  assert toks.shape == kinds.shape == (length,) and toks[-1] == EOT
-  assert kinds[-1] == (lt.ANSWER if placement == "end" else lt.OTHER)
+  assert toks.shape == kinds.shape == (length,)
+  closing = int(np.flatnonzero(kinds != lt.PADDING)[-1])  # then only <|endoftext|> padding
+  assert toks[closing] == EOT and (toks[closing:] == EOT).all()
+  assert kinds[closing] == (lt.ANSWER if placement == "end" else lt.OTHER)
   answers = [(a, b) for a, b in _runs(kinds == lt.ANSWER) if toks[a] != EOT]
   assert len(answers) == q
   assert tok.decode(toks).count("What is the pass key?") <= 1
@@ -176,7 +203,8 @@ def test_task_rows_loss_on_answers_and_optionally_the_haystack(corpus):
     np.testing.assert_array_equal(a["targets"][:-1], a["inputs"][1:])
     on, on_text = a["loss_mask"] > 0, t["loss_mask"] > 0
     runs = _runs(on)
-    assert len(runs) == 4 and a["targets"][-1] == EOT and on[-1]
+    assert len(runs) == 4 and a["targets"][runs[-1][1] - 1] == EOT
+    _after_the_closing_eot(a["targets"], on)
     for s, e in runs:  # each masked run is an answer right after its question
       assert tok.decode(a["inputs"][:s + 1]).rstrip().endswith((" is", " are"))
     extra = on_text & ~on
@@ -220,6 +248,81 @@ def test_task_rows_pack_short_examples_as_segments(corpus):
   assert seen == set(lengths)
   with pytest.raises(ValueError, match="lengths"):
     lt.TaskRows(hay, tok, seq_len=2799, seed=2, tasks=("single_key",), lengths=(100, 2800))
+
+
+# The leak these guard against: a row of exactly `length` tokens whose haystack shrinks by the answer's token
+# count, so that where a question ends tells the model how long its answer is (evaluation prompts carry no such
+# clue). Measured: answer NLL 3.15 nats in that format against 4.47 in the evaluation format.
+
+
+@pytest.mark.parametrize("task", lt.TASKS)
+def test_row_prompt_length_does_not_tell_the_answer_length(digit_corpus, task):
+  tok, hay = digit_corpus
+  exs = [lt.make_example(task, haystack=hay, tokenizer=tok, length=LENGTH, depth=0.5, seed=s, row=True)
+         for s in range(24)]
+  assert len({len(e.answer) for e in exs}) > 1  # the draws' answers do differ in token count
+  assert len({len(e.prompt) for e in exs}) == 1, sorted({(len(e.answer), len(e.prompt)) for e in exs})
+  assert all(len(e.prompt) + len(e.answer) + 1 <= LENGTH for e in exs)
+  again = lt.make_example(task, haystack=hay, tokenizer=tok, length=LENGTH, depth=0.5, seed=3, row=True)
+  np.testing.assert_array_equal(again.prompt, exs[3].prompt)
+  np.testing.assert_array_equal(again.answer, exs[3].answer)
+
+
+@pytest.mark.parametrize("placement", lt.PLACEMENTS)
+@pytest.mark.parametrize("task", [t for t in lt.TASKS if t != "passkey"])
+def test_training_row_question_positions_do_not_tell_the_answer_lengths(digit_corpus, task, placement):
+  tok, hay = digit_corpus
+  answer_tokens, context, ends = set(), set(), set()
+  for seed in range(12):
+    toks, kinds = lt.make_training_row([task], haystack=hay, tokenizer=tok, length=1200, seed=seed, questions=3,
+                                       placement=placement)
+    answer_tokens.add(int(((kinds == lt.ANSWER) & (toks != EOT)).sum()))
+    context.add(int(np.isin(kinds, (lt.OTHER, lt.HAYSTACK)).sum()))  # intro, haystack, needles and questions
+    if placement == "end":
+      # Where each question ends, less the answers before it (in view) and plus the questions after it (not
+      # answers), is where the block of questions would end without answers: the same in every row.
+      for a, _ in _runs(kinds == lt.ANSWER):
+        if toks[a] != EOT:
+          ends.add(a - int((kinds[:a] == lt.ANSWER).sum()) + int((kinds[a:] == lt.OTHER).sum()))
+  assert len(answer_tokens) > 1  # the drawn answers differ in token count
+  assert len(context) == 1, (answer_tokens, context)
+  assert placement != "end" or len(ends) == 1, ends
+
+
+def test_task_rows_padding_after_the_answer_carries_no_loss(digit_corpus):
+  tok, hay = digit_corpus
+  padded = 0
+  for kw in (dict(seq_len=LENGTH - 1), dict(seq_len=1199, questions=3, text_loss=True),
+             dict(seq_len=1199, questions=3, text_loss=True, placement="interleaved")):
+    rows = lt.TaskRows(hay, tok, seed=5, tasks=lt.TASKS, **kw)
+    for i in range(6):
+      r = rows[i]
+      on = r["loss_mask"] > 0
+      last = int(np.flatnonzero(on)[-1])
+      after = _after_the_closing_eot(r["targets"], on)
+      if kw.get("placement") == "interleaved":  # the row's closing <|endoftext|> is no loss target there
+        assert r["targets"][last] != EOT and r["targets"][last + 1] == EOT
+        after -= 1
+      else:
+        assert r["targets"][last] == EOT
+      padded += after > 0
+      if "questions" not in kw:  # the evaluation format: one loss run, the answer and its <|endoftext|>
+        (s, e), = _runs(on)
+        assert e == last + 1 and tok.decode(r["inputs"][:s + 1]).rstrip().endswith((" is", " are"))
+        answer = tok.decode(r["targets"][s:e - 1])
+        assert answer.startswith(" ") and EOT not in r["targets"][s:e - 1]
+        context = tok.decode(r["inputs"][:s + 1])
+        assert all(context.count(item) >= 1 for item in answer.strip().split(", "))
+  assert padded > 0  # the room exceeds some drawn answers
+  packed = lt.TaskRows(hay, tok, seq_len=1199, seed=5, tasks=("kv", "vt"), questions=2, lengths=(600, 1200))
+  for i in range(4):
+    r = packed[i]
+    seg, on = r["segment_ids"], r["loss_mask"] > 0
+    for j in np.unique(seg):
+      idx = np.flatnonzero(seg == j)
+      idx = idx if j == seg[-1] else idx[:-1]  # a segment's last target is the next example's first token
+      _after_the_closing_eot(r["targets"][idx], on[idx])
+      assert r["targets"][idx][on[idx]][-1] == EOT
 
 
 # ---------------------------------------------------------------------------------------------------------------

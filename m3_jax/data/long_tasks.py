@@ -17,8 +17,9 @@ Tasks (`TASKS`); each needle is one sentence inserted between two haystack sente
                   text) and a distractor chain; answer: the chain's variables in order
 
 Facts every example keeps (the tests check them):
-- `length` is exact: the prompt has exactly `length` tokens (training rows: prompt + answer + <|endoftext|> are
-  exactly `length`).
+- `length` is exact: the prompt has exactly `length` tokens. Training rows are exactly `length` tokens too, and
+  reserve each question a fixed room for its answer and <|endoftext|> (`answer_room`), <|endoftext|> padding
+  filling what the drawn answer leaves: so where a question ends does not tell how many tokens its answer has.
 - Each of `answer_anchors` (the values, or "VAR X =" for variable tracking) occurs exactly once in the decoded
   prompt; a draw whose value happens to occur in the haystack is redrawn, so a copy elsewhere cannot answer.
 - Depth granularity: the answer needle (the first one for multi_value / vt) goes to the sentence boundary nearest
@@ -45,8 +46,8 @@ from m3_jax.core.batch import EOT
 from m3_jax.data.common import seed32
 from m3_jax.data.text_prepare import load_manifest, load_tokenizer
 
-__all__ = ["TASKS", "Example", "Haystack", "TaskRows", "make_example", "make_training_row", "min_length",
-           "mix_task_rows", "parse_tasks"]
+__all__ = ["TASKS", "Example", "Haystack", "TaskRows", "answer_room", "make_example", "make_training_row",
+           "min_length", "mix_task_rows", "parse_tasks"]
 
 TASKS: tuple[str, ...] = ("passkey", "single_key", "multi_key", "multi_value", "kv", "vt")
 DISTRACTORS = 3  # multi_key and kv: needles of other keys
@@ -184,7 +185,8 @@ class Haystack:
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-  """One task instance. `prompt` int32 [length] (intro, haystack with needles, question); `answer` int32 [A]."""
+  """One task instance. `prompt` int32 [length] (intro, haystack with needles, question; row=True:
+  [length - answer_room - 1]); `answer` int32 [A]."""
   task: str
   seed: int
   length: int
@@ -268,14 +270,40 @@ def _draw(task: str, rng: np.random.Generator) -> _Draw:
   raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
 
 
-def min_length(task: str, tokenizer: Any) -> int:
-  """The shortest prompt `make_example` accepts for `task`: intro, question and needles as this tokenizer encodes
-  a sample draw, a slack of 25% for other draws, plus MIN_HAYSTACK haystack tokens."""
+# Every character an answer can hold: digits, hex digits, variable letters and the ", " between items.
+_ANSWER_ALPHABET = " ,0123456789abcdef" + _LETTERS
+
+
+def answer_room(task: str, tokenizer: Any) -> int:
+  """The most tokens an answer of `task` (with its leading space) can take: its characters times the most tokens
+  this tokenizer gives one character of `_ANSWER_ALPHABET` (1 for a byte-level BPE).
+
+  A bound, not a sample maximum, so no drawn answer is ever redrawn for being long (training would then never see
+  the answers eval asks for). It holds for any tokenizer that encodes a string in at most the tokens its characters
+  take one by one (BPE merges only join pieces); every task's answer has a fixed number of characters (items of
+  fixed width: `_number` draws exactly `digits` digits)."""
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
+  d = _draw(task, np.random.default_rng(0))
+  per_char = max(len(x) for x in _encode(tokenizer, list(_ANSWER_ALPHABET)))
+  return len(" " + d.sep.join(d.answer_items)) * per_char
+
+
+def _check_room(task: str, answer: np.ndarray, room: int) -> None:
+  if len(answer) > room:
+    raise RuntimeError(f"task {task!r}: the answer takes {len(answer)} tokens, more than answer_room = {room}; "
+                       "this tokenizer encodes a string in more tokens than its characters take one by one")
+
+
+def min_length(task: str, tokenizer: Any, *, row: bool = False) -> int:
+  """The shortest `length` `make_example` accepts for `task`: intro, question and needles as this tokenizer encodes
+  a sample draw, a slack of 25% for other draws, plus MIN_HAYSTACK haystack tokens; row=True (a training row)
+  adds the answer's room and its <|endoftext|>."""
   if task not in TASKS:
     raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
   d = _draw(task, np.random.default_rng(0))
   fixed = sum(len(x) for x in _encode(tokenizer, [_INTRO[task], d.question, *d.needles]))
-  return int(fixed * 1.25) + MIN_HAYSTACK
+  return int(fixed * 1.25) + MIN_HAYSTACK + (answer_room(task, tokenizer) + 1 if row else 0)
 
 
 def _insert(hay: np.ndarray, bounds: np.ndarray, needles: list[np.ndarray], at: list[int]) -> tuple[np.ndarray,
@@ -312,25 +340,28 @@ def _place(d: _Draw, bounds: np.ndarray, first: int, rng: np.random.Generator) -
 
 def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, depth: float, seed: int,
                  row: bool = False) -> Example:
-  """One example of `task` with exactly `length` prompt tokens (`row=True`: prompt + answer + <|endoftext|> are
-  `length` tokens, a training row of length - 1 input/target pairs) and its answer needle at `depth`."""
+  """One example of `task` with exactly `length` prompt tokens and its answer needle at `depth`.
+
+  row=True: a training row of `length` tokens (length - 1 input/target pairs): the prompt int32
+  [length - answer_room(task, tokenizer) - 1], then the answer, <|endoftext|> and <|endoftext|> padding (the
+  caller's to add, up to `length`); the prompt's length thus depends on no drawn answer."""
   if task not in TASKS:
     raise ValueError(f"unknown task {task!r}; the tasks are {list(TASKS)}")
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f"depth={depth}: expected a fraction in [0, 1]")
   rng = np.random.default_rng([0x7A5C, TASKS.index(task), int(seed)])
+  room = answer_room(task, tokenizer) + 1 if row else 0  # the answer and its <|endoftext|>
   for _ in range(64):  # a value that also occurs in the haystack window is redrawn with the next draw
     d = _draw(task, rng)
     intro, question, *needles = [np.asarray(x, np.int32) for x in
                                  _encode(tokenizer, [_INTRO[task], d.question, *d.needles])]
-    answer_text = d.sep.join(d.answer_items)  # placeholder order; fixed below once the needles are placed
     fixed = len(intro) + len(question) + sum(len(n) for n in needles)
-    extra = len(_encode(tokenizer, [" " + answer_text])[0]) + 1 if row else 0
-    h = length - fixed - extra
+    h = length - fixed - room
     if h < MIN_HAYSTACK:
+      room_text = f", the answer's room and <|endoftext|> {room}" if row else ""
       raise ValueError(f"length={length} is too short for task {task!r}: its intro, question and needles take "
-                       f"{fixed + extra} tokens and the haystack needs at least {MIN_HAYSTACK} "
-                       f"(min_length: {min_length(task, tokenizer)})")
+                       f"{fixed} tokens{room_text}, and the haystack needs at least {MIN_HAYSTACK} "
+                       f"(min_length: {min_length(task, tokenizer, row=row)})")
     hay, bounds = haystack.window(rng, h)
     first = int(bounds[np.argmin(np.abs(bounds - depth * h))])  # nearest boundary; ties: the earlier one
     at = _place(d, bounds, first, rng)
@@ -340,8 +371,10 @@ def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, 
     items = [d.answer_items[d.answer_needles.index(i)] for i in order]
     answer_text = d.sep.join(items)
     answer = np.asarray(_encode(tokenizer, [" " + answer_text])[0], np.int32)
+    if row:
+      _check_room(task, answer, room - 1)
     text = tokenizer.decode(prompt)
-    if all(text.count(a) == 1 for a in d.anchors) and (not row or len(answer) + 1 == extra):
+    if all(text.count(a) == 1 for a in d.anchors):
       break
   else:
     raise RuntimeError(f"task {task!r} seed {seed}: 64 draws all collided with the haystack")
@@ -354,8 +387,9 @@ def make_example(task: str, *, haystack: Haystack, tokenizer: Any, length: int, 
 # Training rows
 # ---------------------------------------------------------------------------------------------------------------
 
-# Token kinds of a training row (make_training_row): what a loss mask may select.
-OTHER, ANSWER, HAYSTACK = 0, 1, 2
+# Token kinds of a training row (make_training_row): what a loss mask may select. PADDING: the <|endoftext|>
+# tokens that fill the answers' room after the row's closing <|endoftext|>; never a loss target.
+OTHER, ANSWER, HAYSTACK, PADDING = 0, 1, 2, 3
 
 
 PLACEMENTS = ("end", "interleaved")
@@ -375,8 +409,14 @@ def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: An
   an evaluation-format row (`make_example`) trains one. Every anchor of every draw occurs exactly once in the
   intro + haystack + needles, and no key, id or variable is shared by two draws.
 
+  Either placement reserves each question answer_room(task, tokenizer) tokens and the closing <|endoftext|> one;
+  what the drawn answers leave of that is <|endoftext|> padding at the very end of the row, after the closing
+  <|endoftext|>. The haystack's length thus depends on the intro, needles and questions only, and a question's
+  position on those and the answers before it (which the model sees), never on its own answer's token count.
+
   Returns (tokens int32 [length], kinds int8 [length]: ANSWER for answer tokens (and the closing <|endoftext|>
-  with placement="end"), HAYSTACK for real text, OTHER for the intro, needles and questions).
+  with placement="end"), HAYSTACK for real text, OTHER for the intro, needles and questions (and the closing
+  <|endoftext|> with placement="interleaved"), PADDING for the padding).
   """
   if placement not in PLACEMENTS:
     raise ValueError(f"placement={placement!r}: expected one of {PLACEMENTS}")
@@ -389,6 +429,7 @@ def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: An
   if questions > 1 and all(t == "passkey" for t in tasks):
     raise ValueError(f"questions={questions} with only passkey: a row holds one pass key (two would be ambiguous)")
   rng = np.random.default_rng([0x7A5D, int(seed)])
+  room_of = {t: answer_room(t, tokenizer) for t in set(tasks)}
   for _ in range(64):
     names: list[str] = []
     for _q in range(questions):
@@ -405,15 +446,13 @@ def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: An
       questions_ids.append(np.asarray(enc[k], np.int32))
       needle_ids.append([np.asarray(x, np.int32) for x in enc[k + 1:k + 1 + len(d.needles)]])
       k += 1 + len(d.needles)
-    # The answers' lengths as first drawn; a multi-item answer is re-joined in text order below, and a row whose
-    # tokenisation then changes length is redrawn.
-    answers0 = _encode(tokenizer, [" " + d.sep.join(d.answer_items) for d in draws])
-    fixed = (len(intro) + sum(len(q) for q in questions_ids) + sum(len(n) for ns in needle_ids for n in ns)
-             + sum(len(a) for a in answers0) + 1)
-    h = length - fixed
+    fixed = len(intro) + sum(len(q) for q in questions_ids) + sum(len(n) for ns in needle_ids for n in ns)
+    room = sum(room_of[t] for t in names) + 1  # the answers and the closing <|endoftext|>
+    h = length - fixed - room
     if h < MIN_HAYSTACK:
-      raise ValueError(f"length={length} is too short for {questions} questions of {tasks}: intro, needles, "
-                       f"questions and answers take {fixed} tokens and the haystack needs {MIN_HAYSTACK}")
+      raise ValueError(f"length={length} is too short for {questions} questions of {tasks}: intro, needles and "
+                       f"questions take {fixed} tokens, the answers' room and <|endoftext|> {room}, and the "
+                       f"haystack needs {MIN_HAYSTACK}")
     hay, bounds = haystack.window(rng, h)
     flat, at = [], []
     for d, ns in zip(draws, needle_ids):
@@ -425,8 +464,8 @@ def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: An
       answers.append(d.sep.join(d.answer_items[d.answer_needles.index(i)] for i in order))
       k += len(d.needles)
     answer_ids = [np.asarray(a, np.int32) for a in _encode(tokenizer, [" " + a for a in answers])]
-    if sum(len(a) for a in answer_ids) != sum(len(a) for a in answers0):
-      continue
+    for t, a in zip(names, answer_ids):
+      _check_room(t, a, room_of[t])
     segments = list(flat)  # needles, then (interleaved) the question + answer pieces: ties put them after
     seg_kinds = [np.full(len(n), OTHER, np.int8) for n in flat]
     if placement == "interleaved":
@@ -452,6 +491,8 @@ def make_training_row(tasks: Sequence[str], *, haystack: Haystack, tokenizer: An
         parts += [(questions_ids[q], np.full(len(questions_ids[q]), OTHER, np.int8)),
                   (answer_ids[q], np.full(len(answer_ids[q]), ANSWER, np.int8))]
     parts.append((np.asarray([EOT], np.int32), np.asarray([ANSWER if placement == "end" else OTHER], np.int8)))
+    pad = room - 1 - sum(len(a) for a in answer_ids)
+    parts.append((np.full(pad, EOT, np.int32), np.full(pad, PADDING, np.int8)))
     tokens = np.concatenate([p for p, _ in parts]).astype(np.int32)
     kinds = np.concatenate([k for _, k in parts]).astype(np.int8)
     assert tokens.shape == (length,), (tokens.shape, length)
@@ -465,9 +506,10 @@ class TaskRows(Sequence):
   batch-contract row {inputs, targets, segment_ids, positions, loss_mask} of [seq_len] each.
 
   questions=1, text_loss=False, placement="end", no lengths: an evaluation-format example (`make_example`, task and
-  depth uniform) whose loss covers only the answer and the <|endoftext|> after it. Otherwise `make_training_row`
-  examples with `questions` questions placed as `placement` says; text_loss=True also puts the loss on the
-  haystack text (not on needles or questions), so task rows stop displacing language-model training.
+  depth uniform) whose loss covers only the answer and the <|endoftext|> after it, not the padding that fills the
+  answer's room (see `make_example`). Otherwise `make_training_row` examples with `questions` questions placed as
+  `placement` says; text_loss=True also puts the loss on the haystack text (not on needles, questions or padding),
+  so task rows stop displacing language-model training.
 
   lengths (example lengths in tokens, e.g. (512, 2048, 16384)): each row picks one uniformly and holds
   (seq_len + 1) // L examples of that length (the last one takes the remainder), each its own segment with
@@ -491,10 +533,10 @@ class TaskRows(Sequence):
       raise ValueError(f"data.tasks.questions={questions}: expected >= 1")
     if self._questions > 1 and all(t == "passkey" for t in self._tasks):
       raise ValueError(f"data.tasks.questions={questions} with names=passkey only: a row holds one pass key")
-    # each question brings about its task's fixed tokens (min_length less the haystack minimum)
-    self._per_question = max(min_length(t, tokenizer) for t in self._tasks) - MIN_HAYSTACK
+    # each question brings about its task's fixed tokens and answer room (min_length less the haystack minimum)
+    self._per_question = max(min_length(t, tokenizer, row=True) for t in self._tasks) - MIN_HAYSTACK
     need = self._per_question * self._questions + MIN_HAYSTACK
-    short = [t for t in self._tasks if min_length(t, tokenizer) > seq_len + 1 - 16]
+    short = [t for t in self._tasks if min_length(t, tokenizer, row=True) > seq_len + 1 - 16]
     if short or need > seq_len + 1 - 16:
       raise ValueError(f"data.tasks: seq_len={seq_len} is too short for {self._questions} question(s) of tasks "
                        f"{short or self._tasks} (they need about {need + 16} tokens)")
@@ -524,9 +566,11 @@ class TaskRows(Sequence):
     task = self._tasks[int(rng.integers(len(self._tasks)))]
     ex = make_example(task, haystack=self._hay, tokenizer=self._tok, length=self._seq_len + 1,
                       depth=float(rng.random()), seed=seed32(self._seed, int(i)), row=True)
-    full = np.concatenate([ex.prompt, ex.answer, [EOT]]).astype(np.int32)  # [seq_len + 1]
+    p, a = len(ex.prompt), len(ex.answer)
+    full = np.full((self._seq_len + 1,), EOT, np.int32)  # after the answer: <|endoftext|>, then the padding
+    full[:p], full[p:p + a] = ex.prompt, ex.answer
     mask = np.zeros((self._seq_len,), np.float32)
-    mask[len(ex.prompt) - 1:] = 1.0  # targets from the answer's first token to the closing <|endoftext|>
+    mask[p - 1:p + a] = 1.0  # targets from the answer's first token to the closing <|endoftext|>
     return {"inputs": full[:-1], "targets": full[1:], "segment_ids": np.ones((self._seq_len,), np.int32),
             "positions": np.arange(self._seq_len, dtype=np.int32), "loss_mask": mask}
 
