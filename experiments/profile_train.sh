@@ -3,7 +3,8 @@
 # NAME=CONFIG[:ARG] [flags] trains STEPS steps through experiments.bench_train (tokens/s = median of the logged
 # intervals, logging every 5 steps), traces the last steps but two (train.profile_steps), and summarises each trace's
 # device time per op (experiments.trace_summary). Everything lands in $OUT/profile_train.tar.gz (JSON, logs, op
-# tables); the op tables' heads are printed. From the repo root on the GPU box:
+# tables); the op tables' heads are printed. DUMP_HLO=1 also keeps each run's optimised train-step HLO and names every
+# kernel's source line in its op table (trace_summary --hlo). From the repo root on the GPU box:
 #   DATA=.gpudata OUT=$OUT STEPS=30 bash experiments/profile_train.sh \
 #       "cap=configs/small_lm.py:moe=True,moe_impl=capacity" "mosaic=configs/small_lm.py:moe=True,moe_impl=ragged ..."
 set -uo pipefail
@@ -14,19 +15,24 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 PY=${PY:-python3}
 dir=$OUT/profile_train
 mkdir -p "$dir"
-runs=()
 for spec in "$@"; do
   name=${spec%%=*}; rest=${spec#*=}; config=${rest%% *}; flags=${rest#"$config"}
   case $config in *:*) config="$config,steps=$STEPS";; *) config="$config:steps=$STEPS";; esac
-  runs+=(--run "$name=$config --config.data.dir=$DATA --config.train.log_every=5 \
---config.train.profile_steps=$((STEPS - 4)),$((STEPS - 2))$flags")
-done
-$PY -m experiments.bench_train --out="$dir/bench.json" --workroot=/tmp/profile_train --run_timeout="$RUN_TIMEOUT" \
-  "${runs[@]}"
-for spec in "$@"; do
-  name=${spec%%=*}
+  hlo=()
+  if [ -n "${DUMP_HLO:-}" ]; then  # the optimised HLO of the train step, so that trace_summary names each kernel's source
+    rm -rf "/tmp/profile_train/hlo_$name"
+    export XLA_FLAGS="${XLA_FLAGS_BASE:-} --xla_dump_to=/tmp/profile_train/hlo_$name --xla_dump_hlo_module_re=.*train_step.*"
+  fi
+  $PY -m experiments.bench_train --out="$dir/${name}_bench.json" --workroot=/tmp/profile_train \
+    --run_timeout="$RUN_TIMEOUT" --run "$name=$config --config.data.dir=$DATA --config.train.log_every=5 \
+--config.train.profile_steps=$((STEPS - 4)),$((STEPS - 2))$flags"
+  if [ -n "${DUMP_HLO:-}" ]; then
+    export XLA_FLAGS="${XLA_FLAGS_BASE:-}"
+    f=$(ls -S /tmp/profile_train/hlo_$name/*train_step*after_optimizations.txt 2>/dev/null | head -1)
+    [ -n "$f" ] && hlo=(--hlo="$f") && gzip -c "$f" >"$dir/${name}_hlo.txt.gz"
+  fi
   $PY -m experiments.trace_summary "/tmp/profile_train/$name/profile" --steps=3 --top=30 \
-    --device="${TRACE_DEVICE:-GPU}" --out="$dir/${name}_ops.json" >"$dir/${name}_ops.txt" 2>&1
+    --device="${TRACE_DEVICE:-GPU}" --out="$dir/${name}_ops.json" "${hlo[@]}" >"$dir/${name}_ops.txt" 2>&1
   echo "== $name"; head -14 "$dir/${name}_ops.txt"
 done
 tar -czf "$OUT/profile_train.tar.gz" -C "$OUT" profile_train && rm -rf "$dir"

@@ -17,6 +17,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 # kind -> substrings of op names (first match wins, in this order)
 KINDS = (
@@ -58,6 +59,80 @@ def load_events(profile_dir: str, device: str) -> list[dict]:
   return [e for e in events if e.get("ph") == "X" and "dur" in e and keep(e)]
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{([^}]*)\}")
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{\s*$")
+
+
+def _frames(text: str) -> dict[int, str]:
+  """stack_frame_id -> "file:line (function)" of the HLO text's frame tables (FileNames ... StackFrames)."""
+  tables: dict[str, dict[int, str]] = {}
+  current = None
+  for line in text.splitlines():
+    head = line.strip()
+    if head in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = tables.setdefault(head, {})
+      continue
+    m = re.match(r"^(\d+) (.*)$", head) if current is not None else None
+    if not m:
+      current = None if not head or head.startswith(("HloModule", "%", "ENTRY")) else current
+      continue
+    current[int(m.group(1))] = m.group(2)
+  names = {i: v.strip('"') for i, v in tables.get("FileNames", {}).items()}
+  funcs = {i: v.strip('"') for i, v in tables.get("FunctionNames", {}).items()}
+  where = {}
+  for i, v in tables.get("FileLocations", {}).items():
+    f = re.search(r"file_name_id=(\d+)", v)
+    fn = re.search(r"function_name_id=(\d+)", v)
+    ln = re.search(r"\bline=(\d+)", v)
+    path = names.get(int(f.group(1)), "?") if f else "?"
+    path = path.split("/m3_jax/")[-1] if "/m3_jax/" in path else os.path.basename(path)  # repo-relative-ish
+    where[i] = f"{path}:{ln.group(1) if ln else '?'} ({funcs.get(int(fn.group(1)), '?') if fn else '?'})"
+  frames = {}
+  for i, v in tables.get("StackFrames", {}).items():
+    loc = re.search(r"file_location_id=(\d+)", v)
+    frames[i] = where.get(int(loc.group(1)), "?") if loc else "?"
+  return frames
+
+
+def hlo_sources(text: str) -> dict[str, dict]:
+  """Kernel name (HLO instruction name, '.' -> '_') -> {"op": jax op path tail, "at": its source line,
+  "inside": the distinct source lines of the instructions fused into it (fusions only)}."""
+  frames = _frames(text)
+
+  def meta(m: str) -> tuple[str, str]:
+    op = re.search(r'op_name="([^"]*)"', m)
+    sf = re.search(r"stack_frame_id=(\d+)", m)
+    src = re.search(r'source_file="([^"]*)" source_line=(\d+)', m)  # older XLA writes the line inline
+    at = frames.get(int(sf.group(1)), "?") if sf else (f"{os.path.basename(src.group(1))}:{src.group(2)}" if src
+                                                          else "?")
+    return ("/".join(op.group(1).split("/")[-3:]) if op else "?"), at
+
+  lines_of: dict[str, list[str]] = collections.defaultdict(list)  # computation -> source lines inside
+  instrs: list[tuple[str, str | None, str]] = []
+  comp = None
+  for line in text.splitlines():
+    c = _COMP.match(line)
+    if c:
+      comp = c.group(1)
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, md = m.groups()
+    calls = _CALLS.search(line)
+    calls = calls.group(1) if calls else None
+    _, at = meta(md)
+    if comp and at != "?" and at not in lines_of[comp]:
+      lines_of[comp].append(at)
+    instrs.append((name, calls, md))
+  out = {}
+  for name, calls, md in instrs:
+    op, at = meta(md)
+    out[name.replace(".", "_").replace("-", "_")] = {"op": op, "at": at, "inside": lines_of.get(calls, [])[:6]}
+  return out
+
+
 def summarise(events: list[dict], steps: int) -> dict:
   per_op: dict[str, float] = collections.defaultdict(float)
   count: dict[str, int] = collections.Counter()
@@ -76,6 +151,19 @@ def summarise(events: list[dict], steps: int) -> dict:
                    "calls_per_step": count[n] / steps} for n, v in ops]}
 
 
+def attribute(res: dict, sources: dict[str, dict]) -> None:
+  """Adds op / at / inside to each op of `res` found in `sources`, and res["by_source"]: ms per step per source
+  line (kernels not in the HLO, e.g. cuDNN's or Mosaic's inner kernels, under their own name)."""
+  by: dict[str, float] = collections.defaultdict(float)
+  for o in res["ops"]:
+    src = sources.get(o["name"]) or sources.get(re.sub(r"_\d+$", "", o["name"]))
+    if src:
+      o.update(src)
+    by[src["at"] if src else f"[{o['name'][:60]}]"] += o["ms_per_step"]
+  total = sum(by.values()) or 1.0
+  res["by_source"] = {k: {"ms_per_step": v, "share": v / total} for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("profile_dir")
@@ -83,10 +171,14 @@ def main():
   ap.add_argument("--device", default="GPU", help="substring of the device processes' names")
   ap.add_argument("--top", type=int, default=40)
   ap.add_argument("--out", default="")
+  ap.add_argument("--hlo", default="", help="the step's optimised HLO text: name each kernel's source")
   args = ap.parse_args()
   if args.steps < 1:
     ap.error(f"--steps={args.steps} must be >= 1")
   res = summarise(load_events(args.profile_dir, args.device), args.steps)
+  if args.hlo:
+    with open(args.hlo) as f:
+      attribute(res, hlo_sources(f.read()))
   print(f"device time per step: {res['device_ms_per_step']:.2f} ms (streams summed)\n")
   print(f"{'kind':<22}{'ms/step':>10}{'share':>8}")
   for k, v in res["kinds"].items():
@@ -94,7 +186,11 @@ def main():
   print(f"\n{'op':<72}{'kind':<18}{'ms/step':>9}{'share':>7}{'calls':>7}")
   for o in res["ops"][:args.top]:
     print(f"{o['name'][:71]:<72}{o['kind']:<18}{o['ms_per_step']:>9.2f}{100 * o['share']:>6.1f}%"
-          f"{o['calls_per_step']:>7.0f}")
+          f"{o['calls_per_step']:>7.0f}" + (f"  {o['op']} @ {o['at']}" if "op" in o else ""))
+  if "by_source" in res:
+    print(f"\n{'source line of the kernel HLO instruction':<72}{'ms/step':>9}{'share':>7}")
+    for at, v in list(res["by_source"].items())[:args.top]:
+      print(f"{at[:71]:<72}{v['ms_per_step']:>9.2f}{100 * v['share']:>6.1f}%")
   if args.out:
     with open(args.out, "w") as f:
       json.dump(res, f, indent=2)

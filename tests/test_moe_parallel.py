@@ -95,3 +95,46 @@ def test_expert_parallel_meshes_match_one_device():
     assert m["worst_rel"] <= 1e-5, (mesh, m)
     assert m["grads_nonzero"] == m["grads"], f"{mesh}: a parameter got no gradient"
   assert out["error"] is not None and "num_local_experts=6" in out["error"] and "'expert' of size 4" in out["error"]
+
+
+def test_swiglu_halves_keeps_only_its_bf16_input_for_the_backward():
+  """The grouped experts' SwiGLU (moe_parallel.swiglu_halves): the values and gradients of autodiff through the same
+  f32 function (bitwise, after the same roundings), while the backward keeps nothing but the bf16 matmul output
+  [M, 2I]; plain autodiff keeps f32 [M, I] intermediates of the gate."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from m3_jax.models import moe_parallel
+
+  m, i, alpha, limit = 12, 8, 1.702, 7.0
+  rng = np.random.default_rng(0)
+  gu = jnp.asarray(rng.standard_normal((m, 2 * i)) * 4.0, jnp.bfloat16)  # beyond +-limit in places: the clips act
+  dh = jnp.asarray(rng.standard_normal((m, i)), jnp.bfloat16)
+
+  def plain(g):
+    g = g.astype(jnp.float32)
+    return moe_parallel.swiglu_oai(g[:, :i], g[:, i:], alpha=alpha, limit=limit).astype(jnp.bfloat16)
+
+  h, vjp = jax.vjp(lambda g: moe_parallel.swiglu_halves(g, alpha, limit, jnp.bfloat16), gu)
+  h_ref, vjp_ref = jax.vjp(plain, gu)
+  assert h.dtype == jnp.bfloat16 and h.shape == (m, i)
+  np.testing.assert_array_equal(np.float32(h), np.float32(h_ref))
+  np.testing.assert_array_equal(np.float32(vjp(dh)[0]), np.float32(vjp_ref(dh)[0]))
+  assert np.any(np.abs(np.float32(gu)) > limit)
+  kept = [(x.dtype, x.shape) for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype")]
+  assert kept == [(jnp.dtype(jnp.bfloat16), (m, 2 * i))], kept
+  kept_ref = [(x.dtype, x.shape) for x in jax.tree_util.tree_leaves(vjp_ref) if hasattr(x, "dtype")]
+  assert (jnp.dtype(jnp.float32), (m, i)) in kept_ref, kept_ref  # what the custom VJP saves the backward from
+
+
+def test_grouped_products_stay_in_the_kernels_dtype():
+  """Only the Hopper kernels, whose products are already rounded to the input dtype, carry their slots on in it."""
+  import jax.numpy as jnp
+
+  from m3_jax.models import moe_parallel
+
+  for impl in ("mosaic", "tokamax"):
+    assert moe_parallel.product_dtype(impl, jnp.bfloat16) == jnp.bfloat16
+  for impl in ("xla", "tiled", "reference"):
+    assert moe_parallel.product_dtype(impl, jnp.bfloat16) == jnp.float32

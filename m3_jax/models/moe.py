@@ -114,15 +114,16 @@ class MoE(nnx.Module):
       self.e_score_correction_bias[...] = balance_bias_step(bias, load, rate)
 
   def _experts_ragged(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
-    """x: [N, d]; w, idx: [N, k] -> [N, d] f32. Dispatch and combine are gathers both ways (gather_slots)."""
+    """x: [N, d]; w, idx: [N, k] -> [N, d] f32. Dispatch and combine are gathers both ways (gather_slots), in the
+    grouped matmul's own product dtype (moe_parallel.product_dtype: bf16 slots from the Hopper kernels)."""
     n, k = idx.shape
     order, inverse, group_sizes = moe_parallel.sort_slots(idx, self.dims.num_experts)
     y = moe_parallel.grouped_swiglu(moe_parallel.gather_slots(x, order, inverse, k), group_sizes,
                                     self.gate_up[...].astype(self.dtype), self.down[...].astype(self.dtype),
                                     alpha=self.dims.alpha, limit=self.dims.limit,
-                                    matmul_impl=self.dims.matmul_impl)  # [N k, d] f32, sorted by expert
+                                    matmul_impl=self.dims.matmul_impl)  # [N k, d], sorted by expert
     y = moe_parallel.gather_slots(y, inverse, order, 1).reshape(n, k, -1)  # [N, k, d]: each token's slots
-    return jnp.einsum("nkd,nk->nd", y, w)
+    return jnp.sum(y.astype(jnp.float32) * w[..., None], axis=1)  # [N, d] f32
 
   def _experts_expert_parallel(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """x: [N, d]; w, idx: [N, k] -> [N, d] f32."""

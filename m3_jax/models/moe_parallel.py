@@ -95,17 +95,57 @@ def _gather_slots_bwd(k, res, g):
 gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
 
 
+# The implementations whose products come out in the inputs' dtype (pallas_kernels.grouped_matmul): their outputs are
+# rounded there already, so carrying them on in f32 would only double the bytes of every slot-sized buffer.
+_INPUT_DTYPE_PRODUCTS = ("mosaic", "tokamax")
+
+
+def product_dtype(matmul_impl: str, dtype) -> jnp.dtype:
+  """The dtype a grouped matmul of `matmul_impl` produces from `dtype` inputs without loss: f32 where it accumulates
+  into f32 (xla, tiled, reference), the input dtype for the Hopper kernels."""
+  return jnp.dtype(dtype) if matmul_impl in _INPUT_DTYPE_PRODUCTS else jnp.dtype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def swiglu_halves(gu: jax.Array, alpha: float, limit: float, out_dtype) -> jax.Array:
+  """gu: [M, 2 I] (gate | up, any float dtype) -> swiglu_oai in f32, returned as [M, I] out_dtype.
+
+  A custom VJP so that the backward keeps gu itself (a matmul's output, bf16 from the Hopper kernels) and
+  recomputes the f32 gate in one fused pass: autodiff would keep f32 intermediates of [M, I] (the clipped gate, the
+  sigmoid) alive until the backward. The values and gradients are autodiff's of the same f32 function."""
+  return _swiglu_f32(gu.astype(jnp.float32), alpha, limit).astype(out_dtype)
+
+
+def _swiglu_f32(gu, alpha, limit):
+  i = gu.shape[-1] // 2
+  return swiglu_oai(gu[:, :i], gu[:, i:], alpha=alpha, limit=limit)
+
+
+def _swiglu_halves_fwd(gu, alpha, limit, out_dtype):
+  return swiglu_halves(gu, alpha, limit, out_dtype), gu
+
+
+def _swiglu_halves_bwd(alpha, limit, out_dtype, gu, dh):
+  _, vjp = jax.vjp(lambda g: _swiglu_f32(g, alpha, limit), gu.astype(jnp.float32))
+  (dgu,) = vjp(dh.astype(jnp.float32))
+  return (dgu.astype(gu.dtype),)
+
+
+swiglu_halves.defvjp(_swiglu_halves_fwd, _swiglu_halves_bwd)
+
+
 def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, alpha: float,
                    limit: float, matmul_impl: str = "xla") -> jax.Array:
   """xs: [M, d] rows sorted by (local) expert; group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc];
-  down: [E_loc, I_loc, d] -> [M, d] f32 (this device's part of the down projection when I is split).
+  down: [E_loc, I_loc, d] -> [M, d] in `product_dtype(matmul_impl, xs.dtype)` (this device's part of the down
+  projection when I is split; callers weight and sum the slots in f32).
   matmul_impl: pallas_kernels.grouped_matmul's implementation (xla everywhere; mosaic/tokamax on Hopper)."""
   e, dm, _, i = gate_up.shape
+  out = product_dtype(matmul_impl, xs.dtype)
   gu = grouped_matmul(xs, gate_up.reshape(e, dm, 2 * i), group_sizes, implementation=matmul_impl,
-                      preferred_element_type=jnp.float32)  # [M, 2 I_loc]
-  h = swiglu_oai(gu[:, :i], gu[:, i:], alpha=alpha, limit=limit).astype(xs.dtype)  # [M, I_loc]
-  return grouped_matmul(h, down, group_sizes, implementation=matmul_impl,
-                        preferred_element_type=jnp.float32)  # [M, d]
+                      preferred_element_type=out)  # [M, 2 I_loc]
+  h = swiglu_halves(gu, alpha, limit, xs.dtype)  # [M, I_loc]
+  return grouped_matmul(h, down, group_sizes, implementation=matmul_impl, preferred_element_type=out)  # [M, d]
 
 
 def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array, *,
@@ -143,7 +183,7 @@ def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.
     y = gather_slots(y_sorted, inverse, order, 1)  # back to the received order
     back = jax.lax.all_to_all(y.reshape(ep, cap, dm), EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: my slots
     got = back[dest, pos].reshape(n, k, dm)  # [n, k, d]
-    return jnp.einsum("nkd,nk->nd", got, w)  # [n, d] f32
+    return jnp.sum(got.astype(jnp.float32) * w[..., None], axis=1)  # [n, d] f32
 
   def local(x, w, idx, gate_up, down):
     n, dm = x.shape
