@@ -92,7 +92,7 @@ def sweep_configs(kernel: str, k_out: int, n_out: int) -> list[mosaic.Tiles]:
   out = []
   ks = SWEEP_K_DW if kernel == "dw" else (64,)
   for (bm, bn), steps, gbn, bk in itertools.product(SWEEP_MN, SWEEP_STEPS, SWEEP_GRID_N, ks):
-    if n_out % (bn * gbn) or (kernel == "dw" and k_out % bm):
+    if n_out % bn or (kernel == "dw" and k_out % bm):
       continue
     out.append(mosaic.Tiles(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps, grid_block_n=gbn))
   return out

@@ -68,10 +68,11 @@ def test_bad_inputs_name_the_problem():
     grouped_matmul(x, w, gs, implementation="mosaic")
   mosaic.check_shapes(256, 1024, 2048)  # the MoE shapes of small_lm pass
   # each product's own tiles are checked against the sizes that product tiles (dx: its output columns are K)
-  wide_dx = mosaic.KernelTiles(dx=mosaic.Tiles(block_n=256, grid_block_n=4))
-  with pytest.raises(ValueError, match=r"K \(x's columns\) = 512 must be a multiple of 1024 \(dx block_n"):
-    mosaic.check_shapes(256, 512, 2048, wide_dx)
+  wide_dx = mosaic.KernelTiles(dx=mosaic.Tiles(block_n=256))
+  with pytest.raises(ValueError, match=r"K \(x's columns\) = 640 must be a multiple of 256 \(dx block_n"):
+    mosaic.check_shapes(256, 640, 2048, wide_dx)
   mosaic.check_shapes(256, 1024, 2048, wide_dx)
+  mosaic.check_shapes(256, 768, 1536)  # M3's experts with I split 4 ways (the defaults' snake takes partial strips)
 
 
 @pytest.mark.parametrize("sizes,tile", [((5, 0, 20, 9), 8), ((0, 0, 40), 512), ((25, 25), 4)])

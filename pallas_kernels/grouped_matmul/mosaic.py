@@ -56,13 +56,14 @@ DEFAULT_TILES = KernelTiles(fwd=Tiles(block_m=64, block_n=256, grid_block_n=4),
 def check_shapes(m: int, k: int, n: int, tiles: KernelTiles = DEFAULT_TILES) -> None:
   """The kernels' divisibility needs, as a clear error before any lowering."""
   del m  # rows are ragged: any count works
-  # fwd contracts K and tiles N; dx contracts N and tiles K; dw tiles K x N (its rows are the contraction).
+  # fwd contracts K and tiles N; dx contracts N and tiles K; dw tiles K x N (its rows are the contraction). The
+  # grid's snake (grid_block_n) takes a partial last strip, so only the tiles themselves must divide.
   needs = [("K (x's columns)", k, tiles.fwd.block_k, "fwd block_k"),
-           ("N (w's columns)", n, tiles.fwd.block_n * tiles.fwd.grid_block_n, "fwd block_n x grid_block_n"),
+           ("N (w's columns)", n, tiles.fwd.block_n, "fwd block_n"),
            ("N (w's columns)", n, tiles.dx.block_k, "dx block_k"),
-           ("K (x's columns)", k, tiles.dx.block_n * tiles.dx.grid_block_n, "dx block_n x grid_block_n"),
+           ("K (x's columns)", k, tiles.dx.block_n, "dx block_n"),
            ("K (x's columns)", k, tiles.dw.block_m, "dw block_m"),
-           ("N (w's columns)", n, tiles.dw.block_n * tiles.dw.grid_block_n, "dw block_n x grid_block_n")]
+           ("N (w's columns)", n, tiles.dw.block_n, "dw block_n")]
   for name, size, tile, what in needs:
     if size % tile:
       raise ValueError(f"grouped_matmul(implementation='mosaic'): {name} = {size} must be a multiple of {tile} "
