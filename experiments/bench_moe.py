@@ -115,13 +115,15 @@ def sweep(args) -> dict:
     refs = {"fwd": jax.lax.ragged_dot(x32, w32, gs),  # [M, N]
             "dx": jax.lax.ragged_dot(dy32, jnp.swapaxes(w32, 1, 2), gs),  # [M, K]
             "dw": jax.grad(lambda w: jnp.sum(jax.lax.ragged_dot(x32, w, gs) * dy32))(w32)}  # [G, K, N]
-    calls = {"fwd": (lambda t: lambda x, w, dy: rd(x, w, group_sizes=gs, **dataclasses.asdict(t)), n, k),
+    # kernel -> (the call at given tiles, (k_out, n_out) for sweep_configs): fwd's output columns are N, dx's K,
+    # dw's output tile K x N
+    calls = {"fwd": (lambda t: lambda x, w, dy: rd(x, w, group_sizes=gs, **dataclasses.asdict(t)), (k, n)),
              "dx": (lambda t: lambda x, w, dy: rd(dy, w, group_sizes=gs, transpose_rhs=True,
-                                                   **dataclasses.asdict(t)), k, n),
-             "dw": (lambda t: lambda x, w, dy: trd(x, dy, group_sizes=gs, **dataclasses.asdict(t)), k, n)}
-    for kernel, (make, cols, other) in calls.items():
-      # fwd: output columns N; dx: output columns K; dw: a K x N output tile
-      configs = sweep_configs(kernel, k, n) if kernel == "dw" else sweep_configs(kernel, other, cols)
+                                                   **dataclasses.asdict(t)), (n, k)),
+             "dw": (lambda t: lambda x, w, dy: trd(x, dy, group_sizes=gs, **dataclasses.asdict(t)), (k, n))}
+    used = int(gs.sum())  # rows past the groups are left unwritten by the raw kernels
+    for kernel, (make, out_shape) in calls.items():
+      configs = sweep_configs(kernel, *out_shape)
       flops = 2.0 * m * k * n
       deadline = time.time() + args.sweep_seconds / 6  # an equal share for each (kernel, matmul)
       for t in configs:
@@ -132,8 +134,7 @@ def sweep(args) -> dict:
         try:
           f = jax.jit(make(t))
           got, ms = profiler.measure(f, iterations=args.iterations)(x, w, dy)
-          err = rel_err(got[:int(gs.sum())] if kernel != "dw" else got,
-                        refs[kernel][:int(gs.sum())] if kernel != "dw" else refs[kernel])
+          err = rel_err(got, refs[kernel]) if kernel == "dw" else rel_err(got[:used], refs[kernel][:used])
           med = statistics.median(ms)
           rows[key] = {"kernel": kernel, "matmul": name, "tiles": dataclasses.asdict(t), "ms": med,
                        "tflops": flops / (med / 1e3) / 1e12, "rel_err": err}
@@ -152,8 +153,8 @@ def sweep(args) -> dict:
     if both:
       tk = min(both, key=both.get)
       best[kernel] = {"tiles": json.loads(tk), "ms_both": both[tk], **{f"ms_{mm}": total[tk][mm] for mm in total[tk]}}
-      default = json.dumps(dataclasses.asdict(mosaic.Tiles()), sort_keys=True)
-      if default in both:
+      default = json.dumps(dataclasses.asdict(getattr(mosaic.DEFAULT_TILES, kernel)), sort_keys=True)
+      if default in both:  # is the kernel's current default still the best?
         best[kernel]["default_ms_both"] = both[default]
   return {"rows": rows, "best": best, "group_sizes": [int(s) for s in gs]}
 

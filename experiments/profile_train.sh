@@ -18,16 +18,15 @@ mkdir -p "$dir"
 for spec in "$@"; do
   name=${spec%%=*}; rest=${spec#*=}; config=${rest%% *}; flags=${rest#"$config"}
   case $config in *:*) config="$config,steps=$STEPS";; *) config="$config:steps=$STEPS";; esac
-  hlo=()
+  hlo=(); dump=()
   if [ -n "${DUMP_HLO:-}" ]; then  # the optimised HLO of the train step, so that trace_summary names each kernel's source
     rm -rf "/tmp/profile_train/hlo_$name"
-    export XLA_FLAGS="${XLA_FLAGS_BASE:-} --xla_dump_to=/tmp/profile_train/hlo_$name --xla_dump_hlo_module_re=.*train_step.*"
+    dump=("XLA_FLAGS=${XLA_FLAGS:-} --xla_dump_to=/tmp/profile_train/hlo_$name --xla_dump_hlo_module_re=.*train_step.*")
   fi
-  $PY -m experiments.bench_train --out="$dir/${name}_bench.json" --workroot=/tmp/profile_train \
+  env "${dump[@]}" $PY -m experiments.bench_train --out="$dir/${name}_bench.json" --workroot=/tmp/profile_train \
     --run_timeout="$RUN_TIMEOUT" --run "$name=$config --config.data.dir=$DATA --config.train.log_every=5 \
 --config.train.profile_steps=$((STEPS - 4)),$((STEPS - 2))$flags"
   if [ -n "${DUMP_HLO:-}" ]; then
-    export XLA_FLAGS="${XLA_FLAGS_BASE:-}"
     f=$(ls -S /tmp/profile_train/hlo_$name/*train_step*after_optimizations.txt 2>/dev/null | head -1)
     [ -n "$f" ] && hlo=(--hlo="$f") && gzip -c "$f" >"$dir/${name}_hlo.txt.gz"
   fi

@@ -109,7 +109,7 @@ def hlo_sources(text: str) -> dict[str, dict]:
     return ("/".join(op.group(1).split("/")[-3:]) if op else "?"), at
 
   lines_of: dict[str, list[str]] = collections.defaultdict(list)  # computation -> source lines inside
-  instrs: list[tuple[str, str | None, str]] = []
+  instrs: list[tuple[str, str | None, str, str]] = []  # (name, called computation, op, source line)
   comp = None
   for line in text.splitlines():
     c = _COMP.match(line)
@@ -122,15 +122,13 @@ def hlo_sources(text: str) -> dict[str, dict]:
     name, md = m.groups()
     calls = _CALLS.search(line)
     calls = calls.group(1) if calls else None
-    _, at = meta(md)
+    op, at = meta(md)
     if comp and at != "?" and at not in lines_of[comp]:
       lines_of[comp].append(at)
-    instrs.append((name, calls, md))
-  out = {}
-  for name, calls, md in instrs:
-    op, at = meta(md)
-    out[name.replace(".", "_").replace("-", "_")] = {"op": op, "at": at, "inside": lines_of.get(calls, [])[:6]}
-  return out
+    instrs.append((name, calls, op, at))
+  # a fusion's computation is printed before the instruction that calls it, so "inside" is read once all are seen
+  return {name.replace(".", "_").replace("-", "_"): {"op": op, "at": at, "inside": lines_of.get(calls, [])[:6]}
+          for name, calls, op, at in instrs}
 
 
 def summarise(events: list[dict], steps: int) -> dict:

@@ -123,7 +123,7 @@ class MoE(nnx.Module):
                                     alpha=self.dims.alpha, limit=self.dims.limit,
                                     matmul_impl=self.dims.matmul_impl)  # [N k, d], sorted by expert
     y = moe_parallel.gather_slots(y, inverse, order, 1).reshape(n, k, -1)  # [N, k, d]: each token's slots
-    return jnp.sum(y.astype(jnp.float32) * w[..., None], axis=1)  # [N, d] f32
+    return moe_parallel.combine_slots(y, w)  # [N, d] f32
 
   def _experts_expert_parallel(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """x: [N, d]; w, idx: [N, k] -> [N, d] f32."""

@@ -134,6 +134,11 @@ def _swiglu_halves_bwd(alpha, limit, out_dtype, gu, dh):
 swiglu_halves.defvjp(_swiglu_halves_fwd, _swiglu_halves_bwd)
 
 
+def combine_slots(y: jax.Array, w: jax.Array) -> jax.Array:
+  """y: [N, k, d] each token's slot outputs (any float dtype); w: [N, k] f32 combine weights -> [N, d] f32."""
+  return jnp.sum(y.astype(jnp.float32) * w[..., None], axis=1)
+
+
 def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, alpha: float,
                    limit: float, matmul_impl: str = "xla") -> jax.Array:
   """xs: [M, d] rows sorted by (local) expert; group_sizes: [E_loc]; gate_up: [E_loc, d, 2, I_loc];
@@ -183,7 +188,7 @@ def experts_all_to_all(x: jax.Array, w: jax.Array, idx: jax.Array, gate_up: jax.
     y = gather_slots(y_sorted, inverse, order, 1)  # back to the received order
     back = jax.lax.all_to_all(y.reshape(ep, cap, dm), EXPERT_AXIS, 0, 0, tiled=True)  # [ep, C, d]: my slots
     got = back[dest, pos].reshape(n, k, dm)  # [n, k, d]
-    return jnp.sum(got.astype(jnp.float32) * w[..., None], axis=1)  # [n, d] f32
+    return combine_slots(got, w)  # [n, d] f32
 
   def local(x, w, idx, gate_up, down):
     n, dm = x.shape
