@@ -10,7 +10,15 @@ second line with `train.loss_chunk=N` beside each, and the difference of the two
       --loss_chunk=4096 --run --data_dir=.gpudata --out=$OUT/longest_context_h200.json
 
 The memory limit is the device's (`bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of it, --mem_fraction sets that
-for this process and the runs) or --limit_gib (CPU). Prints a table and writes JSON after every variant.
+for this process and the runs) unless --limit_gib names one (a CPU, or predicting for a larger device of the same
+architecture: the compiled program's buffers do not depend on the device's memory). Prints a table and writes JSON
+after every variant. The variants are independent, so on a many-core host their compiles can run as parallel
+processes (one --heads/--attention each; this process allocates no device memory) and the runs follow in one
+process, one at a time, from their JSON files:
+
+  for v in dense,8/2 msa,8/2 dense,16/1 msa,16/1; do python3 -m experiments.longest_context \
+      --attention=${v%,*} --heads=${v#*,} --common_arg=loss_chunk=4096 --out=lc_${v%,*}_${v#*,/}.json & done; wait
+  python3 -m experiments.longest_context --run_from=lc_dense_8.json,lc_msa_8.json,... --data_dir=.gpudata --out=lc.json
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ ap.add_argument("--max_seq", type=int, default=1 << 22, help="no prediction beyo
 ap.add_argument("--loss_chunk", type=int, default=0, help="also fit with train.loss_chunk=N (0: no)")
 ap.add_argument("--common_arg", default="", help="configs/small_msa.py argument items for every variant")
 ap.add_argument("--mem_fraction", type=float, default=0.9, help="XLA_PYTHON_CLIENT_MEM_FRACTION (GPU)")
-ap.add_argument("--limit_gib", type=float, default=0.0, help="memory limit when the device reports none (CPU)")
+ap.add_argument("--limit_gib", type=float, default=0.0, help="memory limit to predict for (default: the device's)")
 ap.add_argument("--run", action="store_true", help="train --run_steps steps at each predicted length")
+ap.add_argument("--run_from", default="", help="comma-separated JSON files of earlier fits: only train at their "
+                "longest lengths (each variant's loss-chunked one where fitted) and write them together to --out")
 ap.add_argument("--run_steps", type=int, default=3)
 ap.add_argument("--run_timeout", type=int, default=900)
 ap.add_argument("--data_dir", default="data")
@@ -117,6 +127,7 @@ def variant(arg: str, limit: float, args) -> dict:
       if c["bytes"] <= limit:
         break
       best -= args.granule
+    res[f"{name}config_arg"] = a
     res[f"{name}fit"] = pts
     res[f"{name}bytes_per_token"] = slope
     res[f"{name}fixed_bytes"] = intercept
@@ -133,12 +144,39 @@ def variant(arg: str, limit: float, args) -> dict:
   return res
 
 
+def run_from(args):
+  """--run_from: train each earlier variant at its longest length; one JSON with the fits and the runs."""
+  info, entries = None, []
+  for path in args.run_from.split(","):
+    with open(path) as f:
+      d = json.load(f)
+    info = info or d["info"]
+    entries += d["variants"]
+  for e in entries:
+    name = "chunked_" if e.get("chunked_longest_seq_len") else ""
+    seq = e.get(f"{name}longest_seq_len")
+    if not seq:
+      print(f"  {e['config_arg']}: no length fits, nothing to run", flush=True)
+      continue
+    arg = e[f"{name}config_arg"]
+    print(f"  {arg}: training {args.run_steps} steps at {seq:,} tokens ...", flush=True)
+    e[f"{name}run"] = train_at(arg, seq, args)
+    print(f"    {e[f'{name}run']}", flush=True)
+    with open(args.out, "w") as f:
+      json.dump({"info": info, "variants": entries}, f, indent=1)
+  print(f"wrote {args.out}")
+
+
 def main():
   args = ap.parse_args()
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))
+  # This process only compiles (abstract state); preallocating would take the memory the runs' processes need.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if args.run_from:
+    return run_from(args)
   import jax  # noqa: PLC0415  (after the memory fraction is set)
   stats = jax.devices()[0].memory_stats() or {}
-  limit = stats.get("bytes_limit") or args.limit_gib * GIB
+  limit = args.limit_gib * GIB or stats.get("bytes_limit")
   if not limit:
     raise SystemExit(f"{jax.devices()[0]} reports no memory limit: pass --limit_gib")
   info = {"device": str(jax.devices()[0]), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -2,9 +2,9 @@
 # Throughput and a per-op profile of whole training steps, several runs side by side in one GPU call: each
 # NAME=CONFIG[:ARG] [flags] trains STEPS steps through experiments.bench_train (tokens/s = median of the logged
 # intervals, logging every 5 steps), traces the last steps but two (train.profile_steps), and summarises each trace's
-# device time per op (experiments.trace_summary). Everything lands in $OUT/profile_train.tar.gz (JSON, logs, op
-# tables); the op tables' heads are printed. DUMP_HLO=1 also keeps each run's optimised train-step HLO and names every
-# kernel's source line in its op table (trace_summary --hlo). From the repo root on the GPU box:
+# device time per op (experiments.trace_summary). The JSON, logs and op tables land in $OUT/profile_train.tar.gz; the
+# op tables' heads are printed. DUMP_HLO=1 also keeps each run's optimised train-step HLO ($OUT/profile_train_hlo.tar)
+# and names every kernel's source line in its op table (trace_summary --hlo). From the repo root on the GPU box:
 #   DATA=.gpudata OUT=$OUT STEPS=30 bash experiments/profile_train.sh \
 #       "cap=configs/small_lm.py:moe=True,moe_impl=capacity" "mosaic=configs/small_lm.py:moe=True,moe_impl=ragged ..."
 set -uo pipefail
@@ -34,4 +34,6 @@ for spec in "$@"; do
     --device="${TRACE_DEVICE:-GPU}" --out="$dir/${name}_ops.json" "${hlo[@]}" >"$dir/${name}_ops.txt" 2>&1
   echo "== $name"; head -14 "$dir/${name}_ops.txt"
 done
+# the HLOs in a tarball of their own: a large program's text must not push the op tables past a size limit
+(cd "$dir" && ls *_hlo.txt.gz >/dev/null 2>&1 && tar -cf "$OUT/profile_train_hlo.tar" *_hlo.txt.gz && rm -f *_hlo.txt.gz)
 tar -czf "$OUT/profile_train.tar.gz" -C "$OUT" profile_train && rm -rf "$dir"
