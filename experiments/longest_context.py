@@ -10,15 +10,16 @@ second line with `train.loss_chunk=N` beside each, and the difference of the two
       --loss_chunk=4096 --run --data_dir=.gpudata --out=$OUT/longest_context_h200.json
 
 The memory limit is the device's (`bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of it, --mem_fraction sets that
-for this process and the runs) unless --limit_gib names one (a CPU, or predicting for a larger device of the same
-architecture: the compiled program's buffers do not depend on the device's memory). Prints a table and writes JSON
-after every variant. The variants are independent, so on a many-core host their compiles can run as parallel
-processes (one --heads/--attention each; this process allocates no device memory) and the runs follow in one
-process, one at a time, from their JSON files:
+for this process and the runs) unless --limit_gib names one (a CPU, or a prediction for another device of the same
+architecture). Prints a table and writes JSON
+after every variant. --run_from trains the variants of earlier fits (their JSON files), so that the compiles and
+the runs can go in separate calls:
 
-  for v in dense,8/2 msa,8/2 dense,16/1 msa,16/1; do python3 -m experiments.longest_context \
-      --attention=${v%,*} --heads=${v#*,} --common_arg=loss_chunk=4096 --out=lc_${v%,*}_${v#*,/}.json & done; wait
-  python3 -m experiments.longest_context --run_from=lc_dense_8.json,lc_msa_8.json,... --data_dir=.gpudata --out=lc.json
+  python3 -m experiments.longest_context --attention=msa --heads=8/2 --common_arg=loss_chunk=4096 --out=lc_msa_8.json
+  python3 -m experiments.longest_context --run_from=lc_msa_8.json,lc_dense_8.json --run_steps=1 --data_dir=.gpudata
+
+Run the fits one process at a time: XLA's GEMM autotuner allocates real device buffers while compiling (GiBs at
+these lengths), and four compiles side by side ran out of memory on an H100.
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def train_at(arg: str, seq: int, args) -> dict:
   cmd = [sys.executable, "-m", "m3_jax.main",
          f"--config=configs/small_msa.py:{','.join(x for x in (arg, f'seq_len={seq}', f'steps={args.run_steps}') if x)}",
          f"--workdir={work}", f"--config.data.dir={args.data_dir}", "--config.train.log_every=1"]
-  env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction)}
+  # Preallocated, as a training run is: on a growing (non-preallocated) allocator the step's one 65.9 GiB block of
+  # temporaries did not fit under a 71.3 GiB limit on an H100 (fragmentation), though it fits preallocated.
+  env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction), "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
   t0 = time.time()
   try:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
