@@ -30,7 +30,7 @@ LAYERS = 8
 def get_config(arg=None):
   a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, remat_policy="full", document_mask=False,
                 steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1,
-                metrics_every=10, loss_chunk=0, attention_impl="cudnn", selection="per_group", detach=True, context=1,
+                metrics_every=10, loss_chunk=0, attention_impl="cudnn_packed", selection="per_group", detach=True, context=1,
                 devices=0, scan=False)
   if a.attention not in ("msa", "dense"):
     raise ValueError(f"configs/small_msa.py: attention={a.attention!r}; expected 'msa' or 'dense'")
@@ -63,7 +63,9 @@ def get_config(arg=None):
   m.warmup_steps = a.warmup_steps
   m.msa_impl = a.msa_impl
   m.msa_metrics_every = a.metrics_every  # the recall diagnostics on the logged steps only (log_every 10)
-  m.attention_impl = a.attention_impl  # xla (and msa_impl=xla) for a CPU smoke run
+  # cudnn_packed: cuDNN on its packed-documents layout with document masks, plain cuDNN without them; xla (and
+  # msa_impl=xla) for a CPU smoke run
+  m.attention_impl = a.attention_impl
   m.dtype = "bfloat16"
   m.remat = a.remat
   m.remat_policy = a.remat_policy
