@@ -11,9 +11,8 @@ second line with `train.loss_chunk=N` beside each, and the difference of the two
 
 The memory limit is the device's (`bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of it, --mem_fraction sets that
 for this process and the runs) unless --limit_gib names one (a CPU, or a prediction for another device of the same
-architecture). Prints a table and writes JSON
-after every variant. --run_from trains the variants of earlier fits (their JSON files), so that the compiles and
-the runs can go in separate calls:
+architecture). Prints a table and writes JSON after every variant. --run_from trains the variants of earlier fits
+(their JSON files), so that the compiles and the runs can go in separate calls:
 
   python3 -m experiments.longest_context --attention=msa --heads=8/2 --common_arg=loss_chunk=4096 --out=lc_msa_8.json
   python3 -m experiments.longest_context --run_from=lc_msa_8.json,lc_dense_8.json --run_steps=1 --data_dir=.gpudata
@@ -95,7 +94,8 @@ def train_at(arg: str, seq: int, args) -> dict:
          f"--workdir={work}", f"--config.data.dir={args.data_dir}", "--config.train.log_every=1"]
   # Preallocated, as a training run is: on a growing (non-preallocated) allocator the step's one 65.9 GiB block of
   # temporaries did not fit under a 71.3 GiB limit on an H100 (fragmentation), though it fits preallocated.
-  env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction), "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+  env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction),
+         "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
   t0 = time.time()
   try:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
