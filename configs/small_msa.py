@@ -30,8 +30,8 @@ LAYERS = 8
 def get_config(arg=None):
   a = parse_arg(arg, attention="msa", heads="8/2", seq_len=32768, remat=True, remat_policy="full", document_mask=False,
                 steps=200, batch_size=1, warmup_steps=0, msa_impl="pallas", block_size=128, topk=16, local_blocks=1,
-                metrics_every=10, loss_chunk=0, attention_impl="cudnn_packed", selection="per_group", detach=True, context=1,
-                devices=0, scan=False)
+                metrics_every=10, loss_chunk=0, attention_impl="cudnn_packed", selection="per_group", detach=True,
+                context=1, devices=0, scan=False)
   if a.attention not in ("msa", "dense"):
     raise ValueError(f"configs/small_msa.py: attention={a.attention!r}; expected 'msa' or 'dense'")
   hq, _, hkv = a.heads.partition("/")
