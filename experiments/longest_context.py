@@ -147,6 +147,11 @@ def variant(arg: str, limit: float, args) -> dict:
   return res
 
 
+def write(path: str, info: dict, entries: list[dict]):
+  with open(path, "w") as f:
+    json.dump({"info": info, "variants": entries}, f, indent=1)
+
+
 def run_from(args):
   """--run_from: train each earlier variant at its longest length; one JSON with the fits and the runs."""
   info, entries = None, []
@@ -165,8 +170,7 @@ def run_from(args):
     print(f"  {arg}: training {args.run_steps} steps at {seq:,} tokens ...", flush=True)
     e[f"{name}run"] = train_at(arg, seq, args)
     print(f"    {e[f'{name}run']}", flush=True)
-    with open(args.out, "w") as f:
-      json.dump({"info": info, "variants": entries}, f, indent=1)
+    write(args.out, info, entries)
   print(f"wrote {args.out}")
 
 
@@ -190,8 +194,7 @@ def main():
     for attention in args.attention.split(","):
       arg = ",".join(x for x in (f"attention={attention}", f"heads={heads}", args.common_arg) if x)
       entries.append({"heads": heads, "attention": attention, **variant(arg, limit, args)})
-      with open(args.out, "w") as f:  # after every variant: a later failure loses nothing
-        json.dump({"info": info, "variants": entries}, f, indent=1)
+      write(args.out, info, entries)  # after every variant: a later failure loses nothing
   print(f"\n{'heads':>6} {'attention':>9} {'KiB/token':>9} {'fixed GiB':>9} {'longest':>9} "
         f"{'logits KiB/token':>16} {'chunked longest':>15}")
   for e in entries:
