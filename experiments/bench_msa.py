@@ -7,6 +7,9 @@ times with warm-up and the median of repeats. Prints a table and writes JSON.
   python -m experiments.bench_msa --impls=pallas --seq=32768 --seq=131072 --seq=524288 --seq=1048576 \
       --query_chunk=131072 --dense_max_t=131072 --topk_anchor --train_seq=32768 --train_seq=131072 \
       --decode_len=131072 --decode_len=1048576 --out=$OUT/bench_msa_layer.json --plot=$OUT/msa_vs_dense.png
+  # issue 19, claim b: selection granularity at M3's 2048-token budget, 128K
+  python -m experiments.bench_msa --impls=pallas --skip_check --decode_only --granularity=128x16,64x32,16x128 \
+      --out=$OUT/bench_granularity.json
   # the KL alone per teacher variant (fused / loop / unroll over the group's heads), then the training step
   python -m experiments.bench_msa --impls=pallas --skip_check --decode_only --kl_teachers=131072 \
       --train_seq=32768 --train_seq=131072 --out=$OUT/bench_kl.json
@@ -271,6 +274,9 @@ def parse_args() -> argparse.Namespace:
   ap.add_argument("--fp8", action="store_true", help="also prefill and decode with fp8 index q/k / index cache")
   ap.add_argument("--skip_check", action="store_true")
   ap.add_argument("--decode_only", action="store_true", help="skip the prefill rows (decode and train only)")
+  ap.add_argument("--granularity", default="", help="BSxTOPK,... at one token budget (e.g. 128x16,64x32,16x128): "
+                  "selection, sparse forward and the training step of each at --granularity_seq (issue 19, claim b)")
+  ap.add_argument("--granularity_seq", type=int, default=131072)
   ap.add_argument("--out", default="bench_msa.json")
   ap.add_argument("--replot", default="", help="only redraw --plot from this JSON of an earlier run")
   ap.add_argument("--replot_decode", default="", help="with --replot: take the decode panel from this JSON instead")
@@ -329,6 +335,28 @@ def decode_and_train(args: argparse.Namespace, knobs: dict, extra: dict, save) -
       save()
 
 
+def granularity_rows(t: int, spec: str) -> list[dict]:
+  """Pallas selection, sparse forward and training step (select + attention fwd/bwd + KL fwd/bwd) at T = t for each
+  block size x top-k of `spec`, with cuDNN's causal fwd+bwd once as the yardstick (M3 heads)."""
+  rows = []
+  for item in spec.split(","):
+    bs, _, topk = item.partition("x")
+    bs, topk = int(bs), int(topk)
+    q, k, v, qi, ki = inputs(jax.random.key(0), t, HQ, HKV, D, DI, jnp.bfloat16)
+    sel = select_fn("pallas", bs, topk)
+    att = jax.jit(lambda q, k, v, idx, bs=bs: msa.sparse_attention(q, k, v, idx, block_size=bs,
+                                                                  implementation="pallas"))
+    t_sel = timeit(sel, qi, ki)
+    t_att = timeit(att, q, k, v, sel(qi, ki))
+    del q, k, v, qi, ki
+    t_step, t_dense = train_step_times("pallas", t, HQ, HKV, D, DI, bs, topk)
+    rows.append({"T": t, "block_size": bs, "topk": topk, "budget_tokens": bs * topk, "select_ms": 1e3 * t_sel,
+                 "sparse_fwd_ms": 1e3 * t_att, "train_step_ms": 1e3 * t_step, "cudnn_fwd_bwd_ms": 1e3 * t_dense,
+                 "sparse_fwd_tflops": 4 * HQ * D * t * topk * bs / t_att / 1e12})
+    print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
 def main():
   args = parse_args()
   if args.replot:
@@ -361,6 +389,9 @@ def main():
   if args.kl_teachers:
     result["kl_teachers"] = kl_teacher_times(args.kl_teachers, HQ, HKV, D, DI, BS, TOPK,
                                              args.kl_teacher_list.split(","))
+    save()
+  if args.granularity:
+    result["granularity"] = granularity_rows(args.granularity_seq, args.granularity)
     save()
   extra = {"train": result.setdefault("train", []), "decode": result.setdefault("decode", [])}
   decode_and_train(args, knobs, extra, save)

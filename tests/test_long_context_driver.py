@@ -149,3 +149,24 @@ def test_verdict_from_numbers():
   s = stats.summarize(runs, 8)
   a = stats.verdict(s, stats.noise_floors(s, 10), 8, [8])[0]
   assert "PARTLY: per-group is more diverse, quality the same within the threshold" in a
+
+
+def test_report_tables_for_position_loss_needle_selection_and_granularity(tmp_path):
+  from experiments.long_context import report  # noqa: PLC0415
+  bins = lambda xs: {"documents": 3, "bins": [{"start": 1, "end": 8, "loss": xs[0]},  # noqa: E731
+                                               {"start": 8, "end": 64, "loss": xs[1]}]}
+  runs = {"dense": {0: {"loss_by_position": bins([4.0, 3.0])}, 1: {"loss_by_position": bins([5.0, 2.0])}},
+          "msa_per_group": {0: {"loss_by_position": bins([4.5, 2.5]),
+                                "needle_selected": {"passkey": {"144": 0.25, "288": 1.0}}},
+                            1: {"loss_by_position": {},  # a run without the measurement is left out of the mean
+                                "needle_selected": {"passkey": {"144": 0.75}}}}}
+  pos = report._position_table(runs, ["dense", "msa_per_group"])
+  assert "| 1-8 | 8-64 |" in pos[3] and "3 long held-out documents" in pos[1]
+  assert "| dense | 4.500 | 2.500 |" in pos and "| msa_per_group | 4.500 | 2.500 |" in pos
+  needle = report._needle_table(runs, ["dense", "msa_per_group"], ["passkey"], [144, 288])
+  assert "| msa_per_group | passkey | 0.500 | 1.000 |" in needle and not any("| dense |" in x for x in needle)
+  row = {"T": 131072, "block_size": 16, "topk": 128, "budget_tokens": 2048, "select_ms": 1.0, "sparse_fwd_ms": 2.5,
+         "train_step_ms": 10.25, "cudnn_fwd_bwd_ms": 40.0}
+  gran = report._granularity_table({"granularity": [row], "granularity_device": "H100"})
+  assert "T = 131,072, H100" in gran[1] and "| 16 x 128 | 2,048 | 1.00 | 2.50 | 10.25 | 40.00 |" in gran
+  assert report._granularity_table({}) == [] and report._needle_table({"dense": {0: {}}}, ["dense"], [], []) == []

@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--report_only", action="store_true", help="only read finished runs and write the report")
   ap.add_argument("--shard", default="0/1", help="I/N: run only every N-th (arm, seed) from the I-th, so N processes "
                   "share one GPU (each with XLA_PYTHON_CLIENT_MEM_FRACTION < 1/N); then --report_only once")
+  ap.add_argument("--granularity_json", default="", help="experiments.bench_msa --granularity JSON: its kernel times "
+                  "per selection granularity go into the report (claim b)")
   ap.add_argument("--note", default="", help="a sentence for the report on how the runs were made")
   add_cache_flag(ap, shared="the MSA arms of one granularity share their programs")
   return ap.parse_args(argv)

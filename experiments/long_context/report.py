@@ -7,7 +7,7 @@ import os
 from experiments.lib.sweep import write_json
 from experiments.long_context import stats
 
-PLOTS = ("loss_curves.png", "accuracy.png")
+PLOTS = ("loss_curves.png", "accuracy.png", "loss_by_position.png")
 
 
 def _tables(runs: dict, meta: dict) -> dict:
@@ -47,6 +47,57 @@ def _row_format(meta: dict) -> str:
   return (f", {q} questions per row" + (", each after its needle" if placement == "interleaved" else "")
           + (f", examples of {lengths} tokens packed as segments" if lengths else "")
           + (", loss on the haystack text too" if text else ""))
+
+
+def _mean(xs: list[float]) -> str:
+  return f"{sum(xs) / len(xs):.3f}" if xs else "-"
+
+
+def _position_table(runs: dict, arms: list[str]) -> list[str]:
+  """Held-out loss per position bin (m3_jax.eval_long's loss_by_position; mean over seeds)."""
+  bins = next((r["loss_by_position"]["bins"] for a in arms for r in runs[a].values()
+               if (r.get("loss_by_position") or {}).get("bins")), None)
+  if not bins:
+    return []
+  docs = next(r["loss_by_position"].get("documents") for a in arms for r in runs[a].values()
+              if (r.get("loss_by_position") or {}).get("bins"))
+  L = ["", f"## Held-out loss by token position ({docs} long held-out documents, mean over seeds)", "",
+       "| arm | " + " | ".join(f"{b['start']:,}-{b['end']:,}" for b in bins) + " |", "|---" * (len(bins) + 1) + "|"]
+  for a in arms:
+    cols = [[r["loss_by_position"]["bins"][i]["loss"] for r in runs[a].values()
+             if len((r.get("loss_by_position") or {}).get("bins", [])) == len(bins)] for i in range(len(bins))]
+    L.append(f"| {a} | " + " | ".join(_mean(c) for c in cols) + " |")
+  return L + ["", "Loss that keeps falling with position means the model uses the longer context."]
+
+
+def _needle_table(runs: dict, arms: list[str], tasks: list[str], lengths: list[int]) -> list[str]:
+  """Share of (MSA layer, KV group) selections of the answering query that hold the needle's blocks."""
+  have = [a for a in arms if any(r.get("needle_selected") for r in runs[a].values())]
+  if not have:
+    return []
+  L = ["", "## Needle block selected when the answer is produced (MSA arms; mean over layers, groups, seeds)", "",
+       "| arm | task | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---" * (len(lengths) + 2) + "|"]
+  for a in have:
+    for task in tasks:
+      cells = [_mean([r["needle_selected"][task][str(n)] for r in runs[a].values()
+                      if str(n) in (r.get("needle_selected") or {}).get(task, {})]) for n in lengths]
+      L.append(f"| {a} | {task} | " + " | ".join(cells) + " |")
+  return L
+
+
+def _granularity_table(meta: dict) -> list[str]:
+  """Kernel times per selection granularity (experiments.bench_msa --granularity), claim (b)'s speed half."""
+  rows = meta.get("granularity") or []
+  if not rows:
+    return []
+  L = ["", f"## Kernel time per selection granularity (one M3-shaped layer, T = {rows[0]['T']:,}, "
+       f"{meta.get('granularity_device', '?')})", "",
+       "| block x top-k | token budget | selection ms | sparse forward ms | training step ms | cuDNN fwd+bwd ms |",
+       "|---|---|---|---|---|---|"]
+  for r in rows:
+    L.append(f"| {r['block_size']} x {r['topk']} | {r['budget_tokens']:,} | {r['select_ms']:.2f} | "
+             f"{r['sparse_fwd_ms']:.2f} | {r['train_step_ms']:.2f} | {r['cudnn_fwd_bwd_ms']:.2f} |")
+  return L
 
 
 def write_report(sweep_dir: str, runs: dict, meta: dict, missing: list[str]) -> tuple[str, list[str]]:
@@ -90,6 +141,7 @@ def write_report(sweep_dir: str, runs: dict, meta: dict, missing: list[str]) -> 
         xs = [r["accuracy"][task][str(n)] for r in runs[a].values() if str(n) in r["accuracy"].get(task, {})]
         cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "-")
       L.append(f"| {a} | {task} | " + " | ".join(cells) + " |")
+  L += _position_table(runs, arms) + _needle_table(runs, arms, tasks, lengths) + _granularity_table(meta)
   L += ["", "## MSA diagnostics (mean over MSA layers of the last logged steps)", "",
         "| arm | mass_recall | random_mass_recall | group_jaccard | kl |", "|---|---|---|---|---|"]
   for a in arms:
@@ -138,5 +190,23 @@ def _plots(sweep_dir: str, runs: dict, summary: dict, arms: list[str], lengths: 
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(sweep_dir, PLOTS[1]), dpi=100)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  drawn = False
+  for i, a in enumerate(arms):
+    for j, r in enumerate(runs[a].values()):
+      bins = (r.get("loss_by_position") or {}).get("bins") or []
+      if bins:
+        ax.semilogx([(b["start"] + b["end"]) / 2 for b in bins], [b["loss"] for b in bins], "o-", color=f"C{i}",
+                    lw=1, ms=3, alpha=0.8, label=a if j == 0 else None)
+        drawn = True
+  ax.set_xlabel("token position (bin centre)")
+  ax.set_ylabel("held-out loss (nats)")
+  ax.set_title("held-out loss by position (one line per seed)" if drawn else "no loss by position was measured")
+  if drawn:
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(sweep_dir, PLOTS[2]), dpi=100)
   plt.close(fig)
   return list(PLOTS)

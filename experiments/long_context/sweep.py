@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from configs.small_msa import LAYERS
@@ -195,4 +196,16 @@ def build_meta(a: argparse.Namespace, arms: list[str], sweep_dir: str) -> dict:
           "eval_tasks": a.eval_tasks, "lengths": lengths_of(a, int(c.train.seq_len)), "depths": a.depths,
           "samples": a.samples, "convert_at": a.convert_at, "convert_warmup": a.convert_warmup,
           "device": lib_sweep.device_description(sweep_dir, a.report_only), "note": a.note,
-          "config_arg": a.config_arg, "cpu_model": a.cpu_model, "overrides": a.override}
+          "config_arg": a.config_arg, "cpu_model": a.cpu_model, "overrides": a.override,
+          **_granularity(a.granularity_json)}
+
+
+def _granularity(path: str) -> dict:
+  """The kernel-time rows of an experiments.bench_msa --granularity JSON, and its device ({} without a path)."""
+  if not path:
+    return {}
+  with open(path) as f:
+    js = json.load(f)
+  if not js.get("granularity"):
+    raise SystemExit(f"--granularity_json={path}: no 'granularity' rows (run experiments.bench_msa --granularity=...)")
+  return {"granularity": js["granularity"], "granularity_device": f"{js.get('device', '?')}, jax {js.get('jax', '?')}"}
