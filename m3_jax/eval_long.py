@@ -20,7 +20,12 @@ final period, equals the answer exactly. Written to --out:
                          forcing: a graded signal where exact match is 0 or 1) per (length, depth) cell and
                          overall, every example's answer, generation and answer log-prob; forward_check (the
                          first batch's last-position log-probs, cached path vs one full forward);
-                         loss_by_position (below); seconds
+                         needle_selected (MSA checkpoints, --needle_selection): per example, cell and task, the
+                         share of (MSA layer, KV group) pairs whose selection for the last prompt position (the
+                         query whose output is the first answer token) holds the block of every token of the
+                         answer needle's first sentence; per example also needle_selected_by_layer {layer: share
+                         of groups}; None in cells and tasks of dense checkpoints; loss_by_position (below);
+                         seconds
   heatmap_<task>.png     accuracy, lengths (rows) x depths (columns)
   loss_by_position.json  mean next-token loss of up to --loss_docs held-out documents of at least --loss_length + 1
                          tokens, per position bin (--loss_bins log-spaced bins), and the per-position curve
@@ -53,6 +58,8 @@ _LOSS_LEN = flags.DEFINE_integer("loss_length", 0, "tokens per document for the 
 _LOSS_DOCS = flags.DEFINE_integer("loss_docs", 8, "held-out documents for the loss by position")
 _LOSS_BINS = flags.DEFINE_integer("loss_bins", 16, "log-spaced position bins of the loss")
 _DTYPE = flags.DEFINE_string("dtype", None, "HF checkpoints: parameter + compute dtype (default: the stored one)")
+_NEEDLE = flags.DEFINE_bool("needle_selection", True, "MSA checkpoints: whether each MSA layer's selection for the "
+                            "last prompt position holds the answer needle's blocks (one more full forward a batch)")
 flags.mark_flag_as_required("checkpoint")
 flags.mark_flag_as_required("out")
 
@@ -198,14 +205,103 @@ def forward_check(model, prompts, cached_last) -> dict[str, Any]:
           "argmax_agree": float(np.mean(full.argmax(-1) == cached_last.argmax(-1)))}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Needle selection (MSA layers)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def msa_layers(cfg) -> list[int]:
+  """The indices of the layers whose attention selects key blocks (MSAAttention or a subclass)."""
+  from m3_jax.models.attention import attention_class  # noqa: PLC0415
+  from m3_jax.models.attention.msa import MSAAttention  # noqa: PLC0415
+  return [i for i, t in enumerate(cfg.layer_types) if issubclass(attention_class(t), MSAAttention)]
+
+
+def needle_slots(example, tokenizer):
+  """Prompt slots of the answer needle's first sentence, int32 [N]: from `needle_pos` (the needle at the requested
+  depth, which holds the answer; the first of several for multi_value and vt) to the token that holds its '.'.
+
+  Every task's needle states its value in that sentence ("... is 1234567.", "VAR ABCDE = 12345."); what may
+  follow (passkey's " Remember it.") carries nothing to retrieve. The Example keeps only the needle's first slot,
+  so its end is found by decoding."""
+  import numpy as np  # noqa: PLC0415
+  prompt, lo = example.prompt, int(example.needle_pos)
+  if not 0 <= lo < len(prompt):
+    raise ValueError(f"needle_slots: needle_pos={lo} outside the prompt of {len(prompt)} tokens")
+  for hi in range(lo + 1, len(prompt) + 1):
+    if "." in tokenizer.decode(prompt[lo:hi]):
+      return np.arange(lo, hi, dtype=np.int32)
+  raise ValueError(f"needle_slots: no '.' after needle_pos={lo} in the prompt of {example.task!r} (seed "
+                   f"{example.seed}): not a needle of m3_jax.data.long_tasks")
+
+
+def last_selection_fn(model, layers: list[int]):
+  """prompts int [B, L] -> int32 [len(layers), B, Hkv, topk]: each listed MSA layer's selected blocks for the query
+  at the last prompt position, from one jitted full forward.
+
+  capture="selection" keeps every layer on its usual attention path (no [B, Hq, T, S] probabilities) and the
+  slice happens inside the jit, so only topk ids per (layer, row, group) reach the host, not [B, Hkv, L, topk];
+  the rows run one at a time (one compiled program of batch 1 per prompt length)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def last(state, ids):
+    m = nnx.merge(graphdef, state)
+    _, aux = m(ids, capture_attention="selection", head=False)  # head=False: no [B, L, V] logits
+    return jnp.stack([aux["block_idx"][i][:, :, -1] for i in layers])  # [L_msa, B, Hkv, topk]
+
+  # One row at a time: a whole batch's forward at a 64K prompt would hold every query's KV-outer partials
+  # ([B, T, Hq, topk, D], ~17 GiB at B=8) and SwiGLU products at once, several times the cached path's memory.
+  return lambda prompts: np.concatenate([np.asarray(last(state, jnp.asarray(prompts[i:i + 1], jnp.int32)))
+                                         for i in range(len(prompts))], axis=1)
+
+
+def needle_selected(selection, slots: list, layers: list[int], block_size: int):
+  """selection int [len(layers), B, Hkv, topk] (`last_selection_fn`), slots: B int arrays of needle slots ->
+  (f64 [B]: the share of (layer, group) pairs that selected the block of every needle token, {layer: f64 [B]
+  share of groups})."""
+  import numpy as np  # noqa: PLC0415
+  from m3_jax.models.attention.msa_diagnostics import needle_block_selected  # noqa: PLC0415
+  selection = np.asarray(selection)
+  if selection.ndim != 4 or selection.shape[0] != len(layers) or selection.shape[1] != len(slots):
+    raise ValueError(f"needle_selected: selection shape {selection.shape}, expected [layers={len(layers)}, "
+                     f"B={len(slots)}, Hkv, topk]")
+  if any(len(s) == 0 for s in slots):
+    raise ValueError("needle_selected: every row needs at least one needle slot")
+  n = max(len(s) for s in slots)
+  # Rows pad with their own first slot: a repeated token changes no `.all`.
+  needles = np.stack([np.concatenate([s, np.full(n - len(s), s[0])]) for s in slots]).astype(np.int32)  # [B, N]
+  rows = np.zeros(len(slots), np.int32)  # the selection holds one query row: the last position's
+  by_layer = {}
+  for j, layer in enumerate(layers):
+    hit = needle_block_selected(selection[j][:, :, None], needles, rows, block_size)  # [B, Hkv, N]
+    by_layer[layer] = np.asarray(hit).all(-1).mean(-1).astype(np.float64)  # [B]
+  return np.mean(list(by_layer.values()), axis=0), by_layer
+
+
+def _mean_selected(rows: list[dict]) -> float | None:
+  import numpy as np  # noqa: PLC0415
+  vals = [r["needle_selected"] for r in rows if "needle_selected" in r]
+  return float(np.mean(vals)) if vals else None
+
+
 def run_tasks(model, step, tokenizer, examples: dict, *, batch_size: int, max_len: int, prefill_chunk: int,
-              t0: float, check: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+              t0: float, check: bool = True,
+              needle_selection: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
   """Scores every example (exact match of the greedy answer, and the answer's log-probability under teacher
   forcing); one progress line per (length, task). With `check`, the first batch is also run through a full
-  forward (`forward_check`). Returns ({task: results}, the check or None)."""
+  forward (`forward_check`). With `needle_selection` and MSA layers in `model.cfg`, every batch also runs one
+  full forward for the last position's selection (`needle_selected`). Returns ({task: results}, the check or
+  None)."""
   import numpy as np  # noqa: PLC0415
   results: dict[str, Any] = {}
   checked = None
+  layers = msa_layers(model.cfg) if needle_selection else []
+  last_selection = last_selection_fn(model, layers) if layers else None
   for (task, length), exs in sorted(examples.items(), key=lambda kv: (kv[0][1], kv[0][0])):
     rows = results.setdefault(task, {"examples": []})["examples"]
     width = max(len(e.answer) for e in exs)  # one answer width per (task, length): one scoring shape
@@ -226,26 +322,37 @@ def run_tasks(model, step, tokenizer, examples: dict, *, batch_size: int, max_le
         print(f"[eval_long] cached vs full forward ({task}, {length:,} tokens, {len(padded)} rows): max |d log p| "
               f"{checked['max_abs_logprob_diff']:.3g}, greedy tokens agree {checked['argmax_agree']:.0%}",
               flush=True)
-      for e, g, lp in zip(part, gen, logp):
+      picked = None
+      if last_selection is not None:
+        picked = needle_selected(last_selection(prompts), [needle_slots(e, tokenizer) for e in padded], layers,
+                                 model.cfg.index_block_size)
+      for i, (e, g, lp) in enumerate(zip(part, gen, logp)):
         got = answer_of([int(x) for x in g], tokenizer)
         rows.append({"length": length, "depth": e.depth, "seed": e.seed, "answer": e.answer_text,
                      "generated": got, "exact": got == e.answer_text, "needle_pos": e.needle_pos,
                      "answer_logprob": float(lp), "answer_tokens": int(len(e.answer)),
                      "generated_ids": [int(x) for x in g]})
+        if picked is not None:
+          # str keys: the dict evaluate() returns then reads as results.json does
+          rows[-1].update(needle_selected=float(picked[0][i]),
+                          needle_selected_by_layer={str(k): float(v[i]) for k, v in picked[1].items()})
     mine = [r for r in rows if r["length"] == length]
     acc = np.mean([r["exact"] for r in mine])
     nll = np.mean([-r["answer_logprob"] / r["answer_tokens"] for r in mine])
-    print(f"[eval_long] length {length:>7,} {task:12s} accuracy {acc:6.1%}, answer NLL {nll:5.2f} nats/token "
-          f"({len(exs)} examples)  {time.time() - t0:7.1f} s", flush=True)
+    sel = _mean_selected(mine)
+    sel_text = "" if sel is None else f", needle selected {sel:6.1%}"
+    print(f"[eval_long] length {length:>7,} {task:12s} accuracy {acc:6.1%}, answer NLL {nll:5.2f} nats/token"
+          f"{sel_text} ({len(exs)} examples)  {time.time() - t0:7.1f} s", flush=True)
   for task, r in results.items():
     cells = {}
     for row in r["examples"]:
       cells.setdefault((row["length"], row["depth"]), []).append(row)
     r["cells"] = [{"length": k[0], "depth": k[1], "accuracy": float(np.mean([x["exact"] for x in v])),
                    "answer_nll": float(np.mean([-x["answer_logprob"] / x["answer_tokens"] for x in v])),
-                   "n": len(v)} for k, v in sorted(cells.items())]
+                   "needle_selected": _mean_selected(v), "n": len(v)} for k, v in sorted(cells.items())]
     r["accuracy"] = float(np.mean([row["exact"] for row in r["examples"]]))
     r["answer_nll"] = float(np.mean([-x["answer_logprob"] / x["answer_tokens"] for x in r["examples"]]))
+    r["needle_selected"] = _mean_selected(r["examples"])
   return results, checked
 
 
@@ -351,7 +458,8 @@ def plot_loss(path: str, curve, table: list[dict], title: str) -> None:
 
 def evaluate(*, checkpoint: str, tasks: str, lengths: str, depths: str, samples: int, out: str, data_dir: str,
              tokenizer: str = "", seed: int = 0, batch_size: int = 8, prefill_chunk: int = 512, loss_length: int = 0,
-             loss_docs: int = 8, loss_bins: int = 16, dtype: str | None = None) -> dict[str, Any]:
+             loss_docs: int = 8, loss_bins: int = 16, dtype: str | None = None,
+             needle_selection: bool = True) -> dict[str, Any]:
   """The whole evaluation (the command line's flags as arguments); writes --out and returns results.json's dict."""
   t0 = time.time()
   args = dict(checkpoint=checkpoint, tasks=tasks, lengths=lengths, depths=depths, samples=samples, out=out,
@@ -380,7 +488,7 @@ def evaluate(*, checkpoint: str, tasks: str, lengths: str, depths: str, samples:
   print(f"[eval_long] {checkpoint}: {len(names)} tasks x {len(lens)} lengths x {len(deps)} depths x {samples} "
         f"samples; caches of {max_len:,} tokens, prefill chunks of {prefill_chunk}", flush=True)
   results, checked = run_tasks(model, step, tok, examples, batch_size=batch_size, max_len=max_len,
-                               prefill_chunk=prefill_chunk, t0=t0)
+                               prefill_chunk=prefill_chunk, t0=t0, needle_selection=needle_selection)
 
   os.makedirs(out, exist_ok=True)
   for task, r in results.items():
@@ -403,7 +511,8 @@ def evaluate(*, checkpoint: str, tasks: str, lengths: str, depths: str, samples:
     json.dump(loss, f, indent=1)
   summary = {"checkpoint": os.path.abspath(checkpoint), "data_dir": os.path.abspath(data_dir), "seed": seed,
              "lengths": lens, "depths": deps, "samples": samples, "prefill_chunk": prefill_chunk,
-             "layer_types": list(cfg.layer_types), "tasks": results, "forward_check": checked,
+             "layer_types": list(cfg.layer_types), "needle_selection": bool(needle_selection and msa_layers(cfg)),
+             "tasks": results, "forward_check": checked,
              "loss_by_position": {k: v for k, v in loss.items() if k != "curve"},
              "seconds": round(time.time() - t0, 1)}
   with open(os.path.join(out, "results.json"), "w") as f:
@@ -421,7 +530,8 @@ def main(argv):
     evaluate(checkpoint=_CKPT.value, tasks=_TASKS.value, lengths=_LENGTHS.value, depths=_DEPTHS.value,
              samples=_SAMPLES.value, out=_OUT.value, data_dir=_DATA.value, tokenizer=_TOKENIZER.value,
              seed=_SEED.value, batch_size=_BATCH.value, prefill_chunk=_CHUNK.value, loss_length=_LOSS_LEN.value,
-             loss_docs=_LOSS_DOCS.value, loss_bins=_LOSS_BINS.value, dtype=_DTYPE.value)
+             loss_docs=_LOSS_DOCS.value, loss_bins=_LOSS_BINS.value, dtype=_DTYPE.value,
+             needle_selection=_NEEDLE.value)
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("M3_JAX_TRACEBACK"):
       raise

@@ -4,6 +4,7 @@ on an exported MSA model (whose cached decoding must give the full forward's gre
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
+from flax import nnx
 
 from m3_jax import eval_long, inference
 from m3_jax.core.batch import EOT, TEXT_KEYS
@@ -480,3 +482,107 @@ def test_bad_arguments_are_errors_before_loading_anything(corpus, msa_export, tm
   proc = subprocess.run([sys.executable, "-m", "m3_jax.eval_long", f"--checkpoint={msa_export}", "--tasks=nope",
                          f"--out={out}", f"--data_dir={corpus[0]}"], cwd=REPO, capture_output=True, text=True)
   assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --tasks='nope'")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Needle selection: did the MSA selection of the answer's query hold the needle's blocks?
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def oracle_needle_slots(e, tok):
+  """The answer needle's first sentence by character offsets, not by looking for a '.' from needle_pos (how
+  eval_long finds it): the tokens from needle_pos up to the one that ends "<answer>.", the anchor the prompt holds
+  exactly once (so a distractor needle cannot stand in for it)."""
+  text = tok.decode(e.prompt)
+  ends = np.asarray([len(tok.decode(e.prompt[:i + 1])) for i in range(len(e.prompt))])  # char end of token i
+  anchor = f"{e.answer_text}."
+  assert text.count(anchor) == 1
+  stop = text.index(anchor) + len(anchor)
+  last = int(np.flatnonzero(ends >= stop)[0])
+  assert ends[e.needle_pos - 1] < text.index(anchor) <= ends[last]  # the anchor lies in needle_pos..last
+  return np.arange(e.needle_pos, last + 1)
+
+
+def test_needle_selected_is_the_last_queries_selection_of_the_needle_blocks(corpus, msa_export, tmp_path, capsys):
+  """Per example and per cell, needle_selected against its definition: the MSA layer's (layer 1) block_idx at the
+  last prompt position from the model's full forward with capture_attention=True (probabilities and all, not the
+  light capture eval_long runs), and numpy set membership of every needle token's block, per KV group. multi_key
+  has distractor needles: the one holding the answer is the one measured.
+
+  The export's top-2 blocks (one of them the forced local block) can never hold a needle of more than 8 tokens, so
+  every value would be 0; a copy that selects 28 of the 40 blocks (same weights) makes the oracle tell examples
+  apart."""
+  wide = str(tmp_path / "export_top28")
+  shutil.copytree(msa_export, wide)
+  with open(os.path.join(wide, "model_config.json")) as f:
+    model_cfg = json.load(f)
+  with open(os.path.join(wide, "model_config.json"), "w") as f:
+    json.dump({**model_cfg, "index_topk_blocks": 28}, f)
+  res = eval_long.evaluate(checkpoint=wide, tasks="passkey,multi_key", lengths="320", depths="0,0.5,1",
+                           samples=2, out=str(tmp_path / "eval"), data_dir=corpus[0], batch_size=4,
+                           prefill_chunk=64, loss_length=-1)
+  assert res["needle_selection"] is True
+  lines = [x for x in capsys.readouterr().out.splitlines() if " accuracy " in x]
+  assert len(lines) == 2 and all(", needle selected " in x for x in lines)
+  tok = eval_long.load_tokenizer(wide, "", corpus[0])
+  hay = lt.Haystack.from_corpus(corpus[0], tokenizer=tok)
+  exs = eval_long.make_examples(["passkey", "multi_key"], [320], [0.0, 0.5, 1.0], 2, 0, hay, tok)
+  model, cfg = inference.load_model(wide)
+  assert cfg.index_topk_blocks == 28
+  block = cfg.index_block_size
+  capture = jax.jit(lambda ids: model(ids, capture_attention=True)[1]["block_idx"][1][:, :, -1])  # [B, Hkv, topk]
+  seen = []
+  for (task, _), part in exs.items():
+    sel = np.asarray(capture(jnp.asarray(np.stack([e.prompt for e in part]))))
+    rows = {(r["depth"], r["seed"]): r for r in res["tasks"][task]["examples"]}
+    for e, s in zip(part, sel):
+      blocks = set((oracle_needle_slots(e, tok) // block).tolist())
+      want = np.mean([blocks <= set(g[g >= 0].tolist()) for g in s])  # every needle block among the group's
+      r = rows[e.depth, e.seed]
+      assert r["needle_selected"] == want and r["needle_selected_by_layer"] == {"1": want}, (task, e.depth)
+      seen.append(want)
+    for c in res["tasks"][task]["cells"]:
+      mine = [rows[d, s]["needle_selected"] for d, s in rows if d == c["depth"]]
+      assert c["needle_selected"] == pytest.approx(np.mean(mine))
+    assert res["tasks"][task]["needle_selected"] == pytest.approx(np.mean([r["needle_selected"]
+                                                                            for r in rows.values()]))
+  assert min(seen) < max(seen), seen  # the oracle told examples apart: some needles were selected, some not
+  with open(tmp_path / "eval" / "results.json") as f:
+    assert json.load(f)["tasks"] == json.loads(json.dumps(res["tasks"]))
+
+
+def test_no_needle_selected_without_msa_layers_or_when_turned_off(corpus):
+  """A dense model has no selection to measure, and --needle_selection=False measures none: no example keys, None
+  per cell and task (the scoring itself is untouched)."""
+  from m3_jax.models import decode  # noqa: PLC0415
+  from m3_jax.models.transformer import TextModel  # noqa: PLC0415
+  from tests.model_utils import msa_cfg, numpy_values  # noqa: PLC0415
+  _, tok, hay = corpus
+  exs = eval_long.make_examples(["passkey"], [192], [0.5], 1, 0, hay, tok)
+  for cfg, on in ((msa_cfg(vocab_size=512, layer_types=["full_attention"] * 2), True), (msa_cfg(vocab_size=512),
+                                                                                        False)):
+    model = nnx.eval_shape(lambda cfg=cfg: TextModel(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, numpy_values(state))
+    res, _ = eval_long.run_tasks(model, decode.make_step(model), tok, exs, batch_size=1, max_len=200,
+                                 prefill_chunk=64, t0=0.0, check=False, needle_selection=on)
+    r = res["passkey"]
+    assert len(r["examples"]) == 1 and not any(k.startswith("needle_selected") for k in r["examples"][0])
+    assert r["needle_selected"] is None and [c["needle_selected"] for c in r["cells"]] == [None]
+
+
+def test_selection_capture_is_capture_without_probabilities():
+  """capture_attention="selection" (eval_long's light capture): the MSA selections of capture=True, no attention
+  probabilities from any layer; other values are named errors."""
+  from m3_jax.models.transformer import TextModel  # noqa: PLC0415
+  from tests.model_utils import msa_cfg, numpy_values  # noqa: PLC0415
+  model = nnx.eval_shape(lambda: TextModel(msa_cfg(), rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, numpy_values(state))
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 101, (2, 24)), jnp.int32)
+  _, full = model(ids, capture_attention=True)
+  _, light = model(ids, capture_attention="selection")
+  assert "attention_probs" not in light and light["block_idx"][0] is None
+  np.testing.assert_array_equal(light["block_idx"][1], full["block_idx"][1])
+  with pytest.raises(ValueError, match="capture_attention='probs'"):
+    model(ids, capture_attention="probs")

@@ -51,18 +51,26 @@ def final_eval(workdir: str) -> dict:
 
 def retrieval(export: str, *, data_dir: str, tasks: str, lengths: list[int], depths: str, samples: int,
               batch_size: int, prefill_chunk: int, loss_length: int, out: str) -> dict:
-  """m3_jax.eval_long on the run's export: {"accuracy": {task: {length: x}}, "loss_by_position": bins}."""
+  """m3_jax.eval_long on the run's export: {"accuracy": {task: {length: x}}, "needle_selected": {task: {length:
+  x}} (MSA exports; {} for dense ones), "loss_by_position": bins}. needle_selected: the share of (MSA layer, KV
+  group) pairs whose selection for the last prompt position held the answer needle's blocks."""
   res = eval_long.evaluate(checkpoint=export, tasks=tasks, lengths=",".join(map(str, lengths)), depths=depths,
                            samples=samples, out=out, data_dir=data_dir, batch_size=batch_size,
                            prefill_chunk=prefill_chunk, loss_length=loss_length)
-  acc = {}
+  acc, picked = {}, {}
   for task, r in res["tasks"].items():
     per_length: dict[int, list[float]] = {}
+    sel: dict[int, list[float]] = {}
     for c in r["cells"]:
       per_length.setdefault(c["length"], []).extend([c["accuracy"]] * c["n"])
+      if c.get("needle_selected") is not None:
+        sel.setdefault(c["length"], []).extend([c["needle_selected"]] * c["n"])
     acc[task] = {str(n): sum(v) / len(v) for n, v in sorted(per_length.items())}
+    if sel:
+      picked[task] = {str(n): sum(v) / len(v) for n, v in sorted(sel.items())}
   n_examples = len(res["depths"]) * samples
-  return {"accuracy": acc, "examples_per_cell": n_examples, "loss_by_position": res["loss_by_position"]}
+  return {"accuracy": acc, "needle_selected": picked, "examples_per_cell": n_examples,
+          "loss_by_position": res["loss_by_position"]}
 
 
 def diverged_run(phases: list[dict]) -> dict:
@@ -70,7 +78,8 @@ def diverged_run(phases: list[dict]) -> dict:
   no held-out loss and no retrieval (there is no trained model to evaluate)."""
   work = phases[-1]["workdir"]
   return {"eval": {"step": None, "loss": {}, "mean": None}, "loss_curve": loss_curve(phases), "diverged": True,
-          "msa": msa_diagnostics(work), "accuracy": {}, "examples_per_cell": None, "loss_by_position": {}}
+          "msa": msa_diagnostics(work), "accuracy": {}, "needle_selected": {}, "examples_per_cell": None,
+          "loss_by_position": {}}
 
 
 def analyse_run(phases: list[dict], export: str, **eval_kw) -> dict:

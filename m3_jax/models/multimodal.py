@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from m3_jax.core.sharding import constrain
+from m3_jax.models.attention.dense import captures_probs
 from m3_jax.models.config import VLConfig, VisionConfig
 from m3_jax.models.transformer import TextModel
 from m3_jax.models.vision import Projector, VisionTower, check_pixels
@@ -171,7 +172,7 @@ class VLModel(nnx.Module):
   def __call__(self, inputs: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                *, images: jax.Array | None = None, image_valid: jax.Array | None = None,
                videos: jax.Array | None = None, video_valid: jax.Array | None = None,
-               loss_mask: jax.Array | None = None, capture_attention: bool = False, step_state: Any = None,
+               loss_mask: jax.Array | None = None, capture_attention: bool | str = False, step_state: Any = None,
                max_frames: int | None = None, head: bool = True):
     """inputs: [B, L] token ids with placeholders; positions, segment_ids, loss_mask: [B, L] as for TextModel.
     max_frames overrides cfg.vision.max_frames (the ViT segment length). Returns (logits [B, L, V] f32, aux), or
@@ -183,7 +184,7 @@ class VLModel(nnx.Module):
     logits, aux = self.language_model(inputs_embeds=x, positions=positions, segment_ids=segment_ids,
                                       loss_mask=loss_mask, capture_attention=capture_attention,
                                       step_state=step_state, head=head)
-    if capture_attention:
+    if captures_probs(capture_attention):
       is_visual = (inputs == self.cfg.image_token_index) | (inputs == self.cfg.video_token_index)
       per_layer = [text_to_visual_mass(p, is_visual, segment_ids) for p in aux["attention_probs"]]
       aux["text_to_visual_attention"] = jnp.stack([m for m, _ in per_layer])  # [layers, heads]

@@ -2,7 +2,8 @@
 
 `TextModel(cfg, rngs=...)(input_ids, positions, segment_ids)` returns `(logits [B, T, V] f32, aux)`, where aux holds
 the auxiliary losses and metrics (`moe_aux_loss`, `expert_load`, MSA's `kl_loss` and per-layer metrics) and,
-with `capture_attention=True`, per-layer attention probabilities for analysis.
+with `capture_attention=True`, per-layer attention probabilities and MSA selections for analysis
+(`capture_attention="selection"`: the MSA selections alone, with every layer on its usual attention path).
 
 With `scan_layers=True` every run of two or more consecutive layers of one (layer type, MLP type) is a `LayerStack`
 (one `jax.lax.scan` over parameters stacked on a leading layer axis); `layer_locations(cfg)` says where each layer's
@@ -20,6 +21,7 @@ from flax import nnx
 
 from m3_jax.core.sharding import constrain
 from m3_jax.models.attention import make_attention
+from m3_jax.models.attention.dense import CAPTURES, captures_probs
 from m3_jax.models.attention.msa import SELECTION_NAME
 from m3_jax.models.config import MLP_DENSE, TextConfig
 from m3_jax.models.layers import DenseMLP, RMSNorm, param
@@ -279,7 +281,7 @@ class TextModel(nnx.Module):
     x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(_dtype(self.cfg.dtype))
     return constrain(x, ("activation_batch", "activation_length", "activation_embed"))
 
-  def _run_layers(self, x, positions, segment_ids, mask, caches, capture: bool, step_state):
+  def _run_layers(self, x, positions, segment_ids, mask, caches, capture: bool | str, step_state):
     """Every layer in order -> (x, [aux of layer i for every layer i]). Stacks scan unless decoding with caches,
     where each layer runs on its slice of the stacked variables with its own cache."""
     policy = self.cfg.remat_policy if self.cfg.remat and caches is None else None
@@ -308,7 +310,7 @@ class TextModel(nnx.Module):
 
   def __call__(self, input_ids: jax.Array | None = None, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, *, inputs_embeds: jax.Array | None = None,
-               loss_mask: jax.Array | None = None, caches: list | None = None, capture_attention: bool = False,
+               loss_mask: jax.Array | None = None, caches: list | None = None, capture_attention: bool | str = False,
                step_state: Any = None, head: bool = True):
     """input_ids: [B, T] int (or inputs_embeds [B, T, d]); positions: [B, T] (default arange, offset by the cache
     length when decoding); segment_ids: [B, T] packing ids (None: one sequence per row).
@@ -316,6 +318,8 @@ class TextModel(nnx.Module):
     that applies `head_logits` a chunk of tokens at a time."""
     if (input_ids is None) == (inputs_embeds is None):
       raise ValueError("TextModel: pass exactly one of input_ids and inputs_embeds")
+    if capture_attention not in CAPTURES:
+      raise ValueError(f"TextModel: capture_attention={capture_attention!r}, expected one of {CAPTURES}")
     x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.astype(_dtype(self.cfg.dtype))
     b, t = x.shape[:2]
     if positions is None:
@@ -333,10 +337,10 @@ class TextModel(nnx.Module):
     return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
-def _collect_aux(auxes: list[dict], *, capture: bool, decoding: bool) -> dict[str, Any]:
+def _collect_aux(auxes: list[dict], *, capture: bool | str, decoding: bool) -> dict[str, Any]:
   """The model's aux from every layer's (in layer order): the MoE balance loss averaged and the KL summed over the
   layers that have them, expert_load [num_moe_layers, E], metrics as `layer{i}/NAME`, per-layer attention
-  probabilities and MSA selections (capture), the new caches (decoding)."""
+  probabilities (capture=True) and MSA selections (capture=True or "selection"), the new caches (decoding)."""
   moe_losses = [a["moe_aux_loss"] for a in auxes if "moe_aux_loss" in a]
   loads = [a["expert_load"] for a in auxes if "moe_aux_loss" in a]
   kls = [a["kl_loss"] for a in auxes if "kl_loss" in a]
@@ -347,8 +351,9 @@ def _collect_aux(auxes: list[dict], *, capture: bool, decoding: bool) -> dict[st
   }
   if loads:
     out["expert_load"] = jnp.stack(loads)  # [num_moe_layers, E]
-  if capture:
+  if captures_probs(capture):
     out["attention_probs"] = [a.get("attention_probs") for a in auxes]
+  if capture:
     out["block_idx"] = [a.get("block_idx") for a in auxes]  # MSA layers: [B, Hkv, T, topk]; None for dense layers
   if decoding:
     out["caches"] = [a["cache"] for a in auxes if "cache" in a]

@@ -29,6 +29,15 @@ ATTENTION_IMPLS = ("xla", "cudnn", "cudnn_packed")
 Q_AXES = ("activation_batch", "activation_length", "activation_heads", None)  # q, out [B, T, Hq, D]
 KV_AXES = ("activation_batch", "activation_length", "activation_kv_heads", None)  # k, v [B, S, Hkv, D]
 TOKEN_AXES = ("activation_batch", "activation_length")  # segment ids [B, T]
+# capture="selection" returns the MSA layers' block selections only: dense layers keep their flash / cuDNN path,
+# where capture=True materialises every layer's [B, Hq, T, S] probabilities (terabytes at a 64K prompt).
+CAPTURE_SELECTION = "selection"
+CAPTURES = (False, True, CAPTURE_SELECTION)
+
+
+def captures_probs(capture) -> bool:
+  """Whether a `capture` value (False, True or CAPTURE_SELECTION) asks for attention probabilities."""
+  return bool(capture) and capture != CAPTURE_SELECTION
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "xla", q_offset: int | None = None,
@@ -212,7 +221,7 @@ class Attention(nnx.Module):
     q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
     return q, k, v
 
-  def _check_context_parallel(self, cache, capture: bool) -> None:
+  def _check_context_parallel(self, cache, capture: bool | str) -> None:
     if cache is not None or capture:
       raise ValueError(f"{type(self).__name__}: {'decoding' if cache is not None else 'capture_attention'} runs on a "
                        "mesh without context parallelism (mesh context=1); the sequence split over `context` is "
@@ -237,7 +246,7 @@ class Attention(nnx.Module):
     return jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(self.dtype))
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
-               cache: KVCache | None = None, capture: bool = False, step_state: Any = None):
+               cache: KVCache | None = None, capture: bool | str = False, step_state: Any = None):
     """x: [B, T, d_model]; positions: [B, T] (RoPE positions, restarting per packed document).
     step_state (the training step, read by MSA's warmup) is unused by dense attention.
     Returns (y [B, T, d_model], aux dict)."""
@@ -255,8 +264,8 @@ class Attention(nnx.Module):
       cache = cache.update(k, v)
       k, v, aux["cache"] = cache.k, cache.v, cache
       segment_ids = None  # generation is one sequence per row
-    res = dense_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids,
-                          return_probs=capture)
-    if capture:
+    probs = captures_probs(capture)
+    res = dense_attention(q, k, v, impl=self.impl, q_offset=q_offset, segment_ids=segment_ids, return_probs=probs)
+    if probs:
       res, aux["attention_probs"] = res
     return self.output(res), aux

@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from m3_jax.models.attention import context
 from m3_jax.models.attention.dense import (KV_AXES, Q_AXES, TOKEN_AXES, Attention, AttentionDims, KVCache,
-                                           dense_attention)
+                                           captures_probs, dense_attention)
 from m3_jax.models.attention.msa_diagnostics import block_metrics, selected_probs
 from m3_jax.models.layers import RMSNorm, apply_rope, param
 from pallas_kernels import msa as msa_ops
@@ -202,9 +202,9 @@ class MSAAttention(Attention):
     return jnp.broadcast_to(block_idx, block_idx.shape[:1] + (q_idx.shape[2],) + block_idx.shape[2:])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, *,
-               cache: MSACache | None = None, capture: bool = False, step_state: Any = None):
+               cache: MSACache | None = None, capture: bool | str = False, step_state: Any = None):
     """x: [B, T, d]. Returns (y [B, T, d], aux) with aux: kl_loss, metrics (training), cache (decoding),
-    attention_probs and block_idx (capture)."""
+    block_idx (capture) and attention_probs (capture=True, not "selection")."""
     msa = self.msa
     q, k, v = self.project(x, positions)
     if not self.document_mask:
@@ -249,7 +249,7 @@ class MSAAttention(Attention):
     step = None if step_state is None else step_state["step"]
     return context.context_parallel(core, queries, keys, Q_AXES, step)
 
-  def _attend(self, q, k, v, q_idx, k_idx, segment_ids, q_offset, step_state, capture: bool, dense):
+  def _attend(self, q, k, v, q_idx, k_idx, segment_ids, q_offset, step_state, capture: bool | str, dense):
     """The attention of queries q [B, T, Hq, D] at slots q_offset + t (None: S - T) over keys k, v [B, S, Hkv, D]
     with index queries / keys q_idx [B, T, Hkv, d_idx], k_idx [B, S, d_idx] and key segment ids [B, S] (or None).
     `dense(q, k, v, q_offset, segment_ids)` is the warmup's dense attention. Returns (out [B, T, Hq, D], aux)."""
@@ -270,8 +270,9 @@ class MSAAttention(Attention):
 
     if capture:  # analysis: the probabilities the sparse branch actually uses, and the selection itself
       out = sparse()
-      aux["attention_probs"] = selected_probs(q, k, block_idx, block_size=msa.block_size, q_offset=q_offset,
-                                              segment_ids=segment_ids)
+      if captures_probs(capture):
+        aux["attention_probs"] = selected_probs(q, k, block_idx, block_size=msa.block_size, q_offset=q_offset,
+                                                segment_ids=segment_ids)
       aux["block_idx"] = block_idx
     elif in_warmup:
       out = jax.lax.cond(step_state["step"] < msa.warmup_steps, lambda: dense(q, k, v, q_offset, segment_ids),
