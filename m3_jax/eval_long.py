@@ -324,8 +324,13 @@ def run_tasks(model, step, tokenizer, examples: dict, *, batch_size: int, max_le
               flush=True)
       picked = None
       if last_selection is not None:
-        picked = needle_selected(last_selection(prompts), [needle_slots(e, tokenizer) for e in padded], layers,
-                                 model.cfg.index_block_size)
+        try:
+          picked = needle_selected(last_selection(prompts), [needle_slots(e, tokenizer) for e in padded], layers,
+                                   model.cfg.index_block_size)
+        except Exception as err:  # noqa: BLE001 - a diagnostic's failure (e.g. out of memory) must not lose the scores
+          print(f"[eval_long] needle selection off from here ({task}, {length:,} tokens): {type(err).__name__}: "
+                f"{str(err).splitlines()[0][:300]}", flush=True)
+          last_selection = None
       for i, (e, g, lp) in enumerate(zip(part, gen, logp)):
         got = answer_of([int(x) for x in g], tokenizer)
         rows.append({"length": length, "depth": e.depth, "seed": e.seed, "answer": e.answer_text,
