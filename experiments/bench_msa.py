@@ -147,9 +147,10 @@ def topk_anchor(hkv, t, bs, topk):
   return timeit(jax.jit(lambda s: jax.lax.top_k(s, min(topk, t // bs))), scores)
 
 
-def train_step_times(impl, t, hq, hkv, d, di, bs, topk, sel_knobs=None):
-  """One MSA attention training step (select + sparse attention fwd/bwd + KL fwd/bwd) vs cuDNN fwd+bwd. On the
-  Pallas kernels the KL reuses the attention forward's log-sum-exp (LSE fusion), as the model does."""
+def train_step_times(impl, t, hq, hkv, d, di, bs, topk, sel_knobs=None, dense=True):
+  """One MSA attention training step (select + sparse attention fwd/bwd + KL fwd/bwd) vs cuDNN fwd+bwd (None with
+  dense=False). On the Pallas kernels the KL reuses the attention forward's log-sum-exp (LSE fusion), as the model
+  does."""
   q, k, v, qi, ki = inputs(jax.random.key(4), t, hq, hkv, d, di, jnp.bfloat16)
   do = jax.random.normal(jax.random.key(5), q.shape, jnp.bfloat16)
 
@@ -171,7 +172,7 @@ def train_step_times(impl, t, hq, hkv, d, di, bs, topk, sel_knobs=None):
     f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa
     return jax.vjp(f, q, k, v)[1](do)
 
-  return timeit(jax.jit(msa_step), q, k, v, qi, ki, do), timeit(jax.jit(dense_step), q, k, v, do)
+  return timeit(jax.jit(msa_step), q, k, v, qi, ki, do), timeit(jax.jit(dense_step), q, k, v, do) if dense else None
 
 
 def kl_teacher_times(t, hq, hkv, d, di, bs, topk, teachers):
@@ -338,7 +339,7 @@ def decode_and_train(args: argparse.Namespace, knobs: dict, extra: dict, save) -
 def granularity_rows(t: int, spec: str) -> list[dict]:
   """Pallas selection, sparse forward and training step (select + attention fwd/bwd + KL fwd/bwd) at T = t for each
   block size x top-k of `spec`, with cuDNN's causal fwd+bwd once as the yardstick (M3 heads)."""
-  rows = []
+  rows, t_dense = [], None
   for item in spec.split(","):
     bs, _, topk = item.partition("x")
     bs, topk = int(bs), int(topk)
@@ -349,7 +350,8 @@ def granularity_rows(t: int, spec: str) -> list[dict]:
     t_sel = timeit(sel, qi, ki)
     t_att = timeit(att, q, k, v, sel(qi, ki))
     del q, k, v, qi, ki
-    t_step, t_dense = train_step_times("pallas", t, HQ, HKV, D, DI, bs, topk)
+    t_step, dense = train_step_times("pallas", t, HQ, HKV, D, DI, bs, topk, dense=t_dense is None)
+    t_dense = dense if t_dense is None else t_dense
     rows.append({"T": t, "block_size": bs, "topk": topk, "budget_tokens": bs * topk, "select_ms": 1e3 * t_sel,
                  "sparse_fwd_ms": 1e3 * t_att, "train_step_ms": 1e3 * t_step, "cudnn_fwd_bwd_ms": 1e3 * t_dense,
                  "sparse_fwd_tflops": 4 * HQ * D * t * topk * bs / t_att / 1e12})

@@ -49,6 +49,15 @@ def final_eval(workdir: str) -> dict:
   return {"step": last["step"], "loss": last["loss"], "mean": mean}
 
 
+def _per_length(cells: list[dict], key: str) -> dict[str, float]:
+  """{str(length): the example-weighted mean of cells' `key`} over the cells where it is not None."""
+  per_length: dict[int, list[float]] = {}
+  for c in cells:
+    if c.get(key) is not None:
+      per_length.setdefault(c["length"], []).extend([c[key]] * c["n"])
+  return {str(n): sum(v) / len(v) for n, v in sorted(per_length.items())}
+
+
 def retrieval(export: str, *, data_dir: str, tasks: str, lengths: list[int], depths: str, samples: int,
               batch_size: int, prefill_chunk: int, loss_length: int, out: str) -> dict:
   """m3_jax.eval_long on the run's export: {"accuracy": {task: {length: x}}, "needle_selected": {task: {length:
@@ -57,17 +66,8 @@ def retrieval(export: str, *, data_dir: str, tasks: str, lengths: list[int], dep
   res = eval_long.evaluate(checkpoint=export, tasks=tasks, lengths=",".join(map(str, lengths)), depths=depths,
                            samples=samples, out=out, data_dir=data_dir, batch_size=batch_size,
                            prefill_chunk=prefill_chunk, loss_length=loss_length)
-  acc, picked = {}, {}
-  for task, r in res["tasks"].items():
-    per_length: dict[int, list[float]] = {}
-    sel: dict[int, list[float]] = {}
-    for c in r["cells"]:
-      per_length.setdefault(c["length"], []).extend([c["accuracy"]] * c["n"])
-      if c.get("needle_selected") is not None:
-        sel.setdefault(c["length"], []).extend([c["needle_selected"]] * c["n"])
-    acc[task] = {str(n): sum(v) / len(v) for n, v in sorted(per_length.items())}
-    if sel:
-      picked[task] = {str(n): sum(v) / len(v) for n, v in sorted(sel.items())}
+  acc = {task: _per_length(r["cells"], "accuracy") for task, r in res["tasks"].items()}
+  picked = {task: m for task, r in res["tasks"].items() if (m := _per_length(r["cells"], "needle_selected"))}
   n_examples = len(res["depths"]) * samples
   return {"accuracy": acc, "needle_selected": picked, "examples_per_cell": n_examples,
           "loss_by_position": res["loss_by_position"]}

@@ -55,12 +55,11 @@ def _mean(xs: list[float]) -> str:
 
 def _position_table(runs: dict, arms: list[str]) -> list[str]:
   """Held-out loss per position bin (m3_jax.eval_long's loss_by_position; mean over seeds)."""
-  bins = next((r["loss_by_position"]["bins"] for a in arms for r in runs[a].values()
-               if (r.get("loss_by_position") or {}).get("bins")), None)
-  if not bins:
+  first = next((r["loss_by_position"] for a in arms for r in runs[a].values()
+                if (r.get("loss_by_position") or {}).get("bins")), None)
+  if first is None:
     return []
-  docs = next(r["loss_by_position"].get("documents") for a in arms for r in runs[a].values()
-              if (r.get("loss_by_position") or {}).get("bins"))
+  bins, docs = first["bins"], first.get("documents")
   L = ["", f"## Held-out loss by token position ({docs} long held-out documents, mean over seeds)", "",
        "| arm | " + " | ".join(f"{b['start']:,}-{b['end']:,}" for b in bins) + " |", "|---" * (len(bins) + 1) + "|"]
   for a in arms:
@@ -139,7 +138,7 @@ def write_report(sweep_dir: str, runs: dict, meta: dict, missing: list[str]) -> 
       cells = []
       for n in lengths:
         xs = [r["accuracy"][task][str(n)] for r in runs[a].values() if str(n) in r["accuracy"].get(task, {})]
-        cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "-")
+        cells.append(_mean(xs))
       L.append(f"| {a} | {task} | " + " | ".join(cells) + " |")
   L += _position_table(runs, arms) + _needle_table(runs, arms, tasks, lengths) + _granularity_table(meta)
   L += ["", "## MSA diagnostics (mean over MSA layers of the last logged steps)", "",
