@@ -1,7 +1,8 @@
 r"""Dense attention over packed documents on the GPU (issue 18): cuDNN's packed layout (`packed_cudnn_attention`)
-against the masked-softmax XLA reference (float32, highest precision) for outputs and gradients, then the time of
-one layer's forward + backward at small_msa's head layouts: packed vs the boolean-mask route vs plain causal (no
-document mask). Prints a table and writes JSON.
+and its blockwise fallback for rows of too many documents against the masked-softmax XLA reference (float32,
+highest precision) for outputs and gradients, then the time of one layer's forward + backward at small_msa's head
+layouts: packed vs its fallback vs the boolean-mask route vs plain causal (no document mask). Prints a table and
+writes JSON.
 
   python3 -m experiments.check_packed_attention --seq=32768 --out=$OUT/packed_attention.json
 
@@ -49,14 +50,17 @@ def check(hq, hkv, rng):
     with jax.default_matmul_precision("highest"):
       return masked_attention(q, k, v, causal_mask(pos, pos, seg, seg))
 
+  # max_runs=2: both rows hold more documents, so the lax.cond takes its blockwise fallback
   out = {}
-  for name, f in (("reference", ref), ("packed", lambda q, k, v: packed_cudnn_attention(q, k, v, seg))):
-    o, vjp = jax.vjp(jax.jit(f), *(x.astype(jnp.bfloat16 if name == "packed" else jnp.float32) for x in (q, k, v)))
+  for name, f in (("reference", ref), ("packed", lambda q, k, v: packed_cudnn_attention(q, k, v, seg)),
+                  ("fallback", lambda q, k, v: packed_cudnn_attention(q, k, v, seg, max_runs=2))):
+    o, vjp = jax.vjp(jax.jit(f), *(x.astype(jnp.float32 if name == "reference" else jnp.bfloat16) for x in (q, k, v)))
     out[name] = (o, *vjp(do.astype(o.dtype)))
   err = {}
-  for n, a, b in zip(("out", "dq", "dk", "dv"), out["packed"], out["reference"]):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    err[n] = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  for path in ("packed", "fallback"):
+    for n, a, b in zip(("out", "dq", "dk", "dv"), out[path], out["reference"]):
+      a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+      err[n if path == "packed" else f"{path}_{n}"] = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
   return err
 
 
@@ -75,6 +79,7 @@ def timing(hq, hkv, T, rng, min_doc, max_doc):
       "masked_bias": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=causal_mask(pos, pos, seg, seg),
                                                                   implementation="cudnn"),
       "packed": lambda q, k, v: packed_cudnn_attention(q, k, v, seg),
+      "packed_fallback": lambda q, k, v: packed_cudnn_attention(q, k, v, seg, max_runs=2),  # the blockwise branch
   }
   docs = int(jnp.max(seg))
   rows = []

@@ -96,8 +96,12 @@ def packed_cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   The boolean-mask route turns the segment mask into a [B, 1, T, T] bias that cuDNN reads on every tile (2 GiB at
   32K in bf16; it took small_lm from 45% to 31% MFU); here cuDNN gets each document's offset and length and skips
   the blocks across documents. jax.nn.dot_product_attention does not expose the offsets, so this calls jax's cuDNN
-  wrapper directly. Rows with more than `max_runs` runs (default T // 128, at least 16) take the masked route
-  instead (a lax.cond: both are compiled, the packed one runs whenever the row fits).
+  wrapper directly. Rows with more than `max_runs` runs (default T // 128, at least 16) take the blockwise XLA
+  flash attention with segment ids instead (a lax.cond: both branches are compiled, the packed one runs whenever
+  the row fits). The fallback is not the boolean-mask route because XLA assigns memory to both branches whether
+  they run or not, and that route's [B, 1, T, T] bias (512 MiB at 16K in bf16) is quadratic in T. The XLA kernel
+  needs memory for one block pair at a time and is slower than cuDNN, which matters only for rows with many short
+  documents.
   """
   from jax._src.cudnn.fused_attention_stablehlo import MaskType  # noqa: PLC0415
   from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention  # noqa: PLC0415
@@ -110,12 +114,10 @@ def packed_cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     return cudnn_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
                            scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
 
-  def masked():
-    pos = jnp.arange(T)
-    return jax.nn.dot_product_attention(q, k, v, mask=causal_mask(pos, pos, segment_ids, segment_ids),
-                                        implementation="cudnn")
+  def blockwise():
+    return flash_attention(q, k, v, segment_ids=segment_ids, implementation="xla")
 
-  return jax.lax.cond(jnp.all(runs <= M), packed, masked)
+  return jax.lax.cond(jnp.all(runs <= M), packed, blockwise)
 
 
 @flax.struct.dataclass
