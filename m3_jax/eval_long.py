@@ -30,6 +30,8 @@ final period, equals the answer exactly. Written to --out:
   loss_by_position.json  mean next-token loss of up to --loss_docs held-out documents of at least --loss_length + 1
                          tokens, per position bin (--loss_bins log-spaced bins), and the per-position curve
   loss_by_position.png   the same, loss against position
+  progress.jsonl         while the retrieval tasks run: each scored example's row, a (length, task) at a time;
+                         removed once results.json is written, so it remains only after a stopped evaluation
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ _LOSS_BINS = flags.DEFINE_integer("loss_bins", 16, "log-spaced position bins of 
 _DTYPE = flags.DEFINE_string("dtype", None, "HF checkpoints: parameter + compute dtype (default: the stored one)")
 _NEEDLE = flags.DEFINE_bool("needle_selection", True, "MSA checkpoints: whether each MSA layer's selection for the "
                             "last prompt position holds the answer needle's blocks (one more full forward a batch)")
+PROGRESS = "progress.jsonl"
+
 flags.mark_flag_as_required("checkpoint")
 flags.mark_flag_as_required("out")
 
@@ -290,13 +294,14 @@ def _mean_selected(rows: list[dict]) -> float | None:
 
 
 def run_tasks(model, step, tokenizer, examples: dict, *, batch_size: int, max_len: int, prefill_chunk: int,
-              t0: float, check: bool = True,
-              needle_selection: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+              t0: float, check: bool = True, needle_selection: bool = True,
+              progress: str | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
   """Scores every example (exact match of the greedy answer, and the answer's log-probability under teacher
   forcing); one progress line per (length, task). With `check`, the first batch is also run through a full
   forward (`forward_check`). With `needle_selection` and MSA layers in `model.cfg`, every batch also runs one
-  full forward for the last position's selection (`needle_selected`). Returns ({task: results}, the check or
-  None)."""
+  full forward for the last position's selection (`needle_selected`). With `progress` (a path), each (length,
+  task)'s example rows are appended to it as JSON lines ({"task", **row}) once scored: a long evaluation that is
+  stopped keeps what it scored. Returns ({task: results}, the check or None)."""
   import numpy as np  # noqa: PLC0415
   results: dict[str, Any] = {}
   checked = None
@@ -342,6 +347,9 @@ def run_tasks(model, step, tokenizer, examples: dict, *, batch_size: int, max_le
           rows[-1].update(needle_selected=float(picked[0][i]),
                           needle_selected_by_layer={str(k): float(v[i]) for k, v in picked[1].items()})
     mine = [r for r in rows if r["length"] == length]
+    if progress:
+      with open(progress, "a") as f:
+        f.writelines(json.dumps({"task": task, **r}) + "\n" for r in mine)
     acc = np.mean([r["exact"] for r in mine])
     nll = np.mean([-r["answer_logprob"] / r["answer_tokens"] for r in mine])
     sel = _mean_selected(mine)
@@ -492,10 +500,12 @@ def evaluate(*, checkpoint: str, tasks: str, lengths: str, depths: str, samples:
   step = decode.make_step(model)
   print(f"[eval_long] {checkpoint}: {len(names)} tasks x {len(lens)} lengths x {len(deps)} depths x {samples} "
         f"samples; caches of {max_len:,} tokens, prefill chunks of {prefill_chunk}", flush=True)
-  results, checked = run_tasks(model, step, tok, examples, batch_size=batch_size, max_len=max_len,
-                               prefill_chunk=prefill_chunk, t0=t0, needle_selection=needle_selection)
-
   os.makedirs(out, exist_ok=True)
+  progress = os.path.join(out, PROGRESS)
+  open(progress, "w").close()  # an earlier run's rows must not mix with this one's
+  results, checked = run_tasks(model, step, tok, examples, batch_size=batch_size, max_len=max_len,
+                               prefill_chunk=prefill_chunk, t0=t0, needle_selection=needle_selection,
+                               progress=progress)
   for task, r in results.items():
     plot_heatmap(os.path.join(out, f"heatmap_{task}.png"), task, r["cells"], lens, deps)
   loss: dict[str, Any] = {"length": loss_len, "heldout_documents": n_heldout}
@@ -522,6 +532,7 @@ def evaluate(*, checkpoint: str, tasks: str, lengths: str, depths: str, samples:
              "seconds": round(time.time() - t0, 1)}
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(summary, f, indent=1)
+  os.remove(progress)  # results.json holds every row now
   print(f"[eval_long] wrote {out}/results.json, heatmap_<task>.png, loss_by_position.json/.png "
         f"({time.time() - t0:.1f} s)", flush=True)
   return summary

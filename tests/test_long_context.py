@@ -393,6 +393,7 @@ def check_outputs(out, tasks, lengths, depths):
   assert loss["documents"] >= 1 and len(loss["curve"]) == loss["length"]
   assert all(np.isfinite(b["loss"]) and b["loss"] > 0 for b in loss["bins"])
   assert os.path.getsize(os.path.join(out, "loss_by_position.png")) > 0
+  assert not os.path.exists(os.path.join(out, eval_long.PROGRESS))  # a finished evaluation keeps results.json only
   return res
 
 
@@ -569,6 +570,44 @@ def test_no_needle_selected_without_msa_layers_or_when_turned_off(corpus):
     r = res["passkey"]
     assert len(r["examples"]) == 1 and not any(k.startswith("needle_selected") for k in r["examples"][0])
     assert r["needle_selected"] is None and [c["needle_selected"] for c in r["cells"]] == [None]
+
+
+def test_progress_keeps_the_rows_scored_before_a_stop(corpus, tmp_path, monkeypatch):
+  """run_tasks(progress=PATH) appends each (length, task)'s rows as they are scored: all of them, equal to the
+  returned rows, on a finished run; only the first length's, the same rows, when the second length is stopped."""
+  from m3_jax.models import decode  # noqa: PLC0415
+  from m3_jax.models.transformer import TextModel  # noqa: PLC0415
+  from tests.model_utils import msa_cfg, numpy_values  # noqa: PLC0415
+  _, tok, hay = corpus
+  exs = eval_long.make_examples(["passkey"], [192, 256], [0.0, 1.0], 1, 0, hay, tok)
+  model = nnx.eval_shape(lambda: TextModel(msa_cfg(vocab_size=512, layer_types=["full_attention"] * 2),
+                                           rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, numpy_values(state))
+  step = decode.make_step(model)
+  kw = dict(batch_size=2, max_len=300, prefill_chunk=64, t0=0.0, check=False)
+
+  def read(path):
+    with open(path) as f:
+      return [json.loads(line) for line in f]
+
+  done = str(tmp_path / "done.jsonl")
+  res, _ = eval_long.run_tasks(model, step, tok, exs, progress=done, **kw)
+  rows = read(done)
+  assert rows == [{"task": "passkey", **r} for r in res["passkey"]["examples"]] and len(rows) == 4
+
+  real = eval_long.greedy_answers
+
+  def stop_at_256(model, step, prompts, **kw):
+    if prompts.shape[1] == 256:
+      raise KeyboardInterrupt
+    return real(model, step, prompts, **kw)
+
+  monkeypatch.setattr(eval_long, "greedy_answers", stop_at_256)
+  stopped = str(tmp_path / "stopped.jsonl")
+  with pytest.raises(KeyboardInterrupt):
+    eval_long.run_tasks(model, step, tok, exs, progress=stopped, **kw)
+  assert read(stopped) == [r for r in rows if r["length"] == 192] and len(read(stopped)) == 2
 
 
 def test_selection_capture_is_capture_without_probabilities():
