@@ -252,6 +252,27 @@ def test_task_rows_pack_short_examples_as_segments(corpus):
     lt.TaskRows(hay, tok, seq_len=2799, seed=2, tasks=("single_key",), lengths=(100, 2800))
 
 
+@pytest.mark.parametrize("length,sizes,padding", [(930, [930, 930, 940], 0), (1000, [1000, 1000], 800)])
+def test_task_rows_remainder_joins_the_last_example_or_is_padding(corpus, length, sizes, padding):
+  """2800-token rows: 3 x 930 leave 10 tokens (<= 930 // 16), which the last example takes; 2 x 1000 leave 800,
+  which become a segment of <|endoftext|> without loss, not a 1800-token example."""
+  d, tok, _ = corpus
+  hay = lt.Haystack.from_corpus(d, tokenizer=tok, split="train")
+  rows = lt.TaskRows(hay, tok, seq_len=2799, seed=3, tasks=("single_key", "kv"), questions=3, lengths=(length,))
+  for i in range(3):
+    r = rows[i]
+    tokens = np.concatenate([r["inputs"], r["targets"][-1:]])  # the row's 2800 tokens
+    seg = np.concatenate([r["segment_ids"], r["segment_ids"][-1:]])
+    ids = np.unique(seg)
+    got = [int((seg == j).sum()) for j in ids]
+    assert got == sizes + ([padding] if padding else []), got
+    if padding:
+      pad = seg == ids[-1]
+      assert (tokens[pad] == EOT).all()
+      assert not (r["loss_mask"] > 0)[pad[1:]].any()  # no target inside the padding
+    assert (r["loss_mask"] > 0).any()
+
+
 # The leak these guard against: a row of exactly `length` tokens whose haystack shrinks by the answer's token
 # count, so that where a question ends tells the model how long its answer is (evaluation prompts carry no such
 # clue). Measured: answer NLL 3.15 nats in that format against 4.47 in the evaluation format.

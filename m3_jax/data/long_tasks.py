@@ -512,8 +512,10 @@ class TaskRows(Sequence):
   so task rows stop displacing language-model training.
 
   lengths (example lengths in tokens, e.g. (512, 2048, 16384)): each row picks one uniformly and holds
-  (seq_len + 1) // L examples of that length (the last one takes the remainder), each its own segment with
-  positions from 0, so under document masking a question attends over its own example only. Short examples are
+  (seq_len + 1) // L examples of that length, each its own segment with positions from 0, so under document
+  masking a question attends over its own example only. The remainder of the row joins the last example when it
+  is at most L // 16 tokens; a longer one is a segment of <|endoftext|> padding without loss, so that an example
+  is never much longer than its L (384-token examples in 513-token rows were whole-row examples before). Short examples are
   where a retrieval mechanism is learnt first (at initialisation attention is spread over every visible key:
   1/L of it on the needle); the long ones train the full length. Short examples ask fewer questions: as many of
   `questions` as fit in half of the example.
@@ -580,8 +582,11 @@ class TaskRows(Sequence):
     total = self._seq_len + 1
     rng = np.random.default_rng([self._seed, i, 1])
     length = self._lengths[int(rng.integers(len(self._lengths)))]
-    n = total // length
-    sizes = [length] * (n - 1) + [total - length * (n - 1)]
+    n, rest = divmod(total, length)
+    sizes = [length] * n
+    if rest <= length // 16:
+      sizes[-1] += rest
+      rest = 0
     toks, kinds, seg, pos = [], [], [], []
     for j, size in enumerate(sizes):
       t, k = make_training_row(self._tasks, haystack=self._hay, tokenizer=self._tok, length=size,
@@ -591,6 +596,11 @@ class TaskRows(Sequence):
       kinds.append(k)
       seg.append(np.full((size,), j + 1, np.int32))
       pos.append(np.arange(size, dtype=np.int32))
+    if rest:
+      toks.append(np.full((rest,), EOT, np.int32))
+      kinds.append(np.full((rest,), PADDING, np.int8))
+      seg.append(np.full((rest,), n + 1, np.int32))
+      pos.append(np.arange(rest, dtype=np.int32))
     tokens, kinds, seg, pos = (np.concatenate(x) for x in (toks, kinds, seg, pos))  # [seq_len + 1] each
     on = (kinds[1:] == ANSWER) | ((kinds[1:] == HAYSTACK) & self._text_loss)  # per target token
     on &= seg[1:] == seg[:-1]  # no target across two examples
