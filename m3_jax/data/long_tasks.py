@@ -514,9 +514,9 @@ class TaskRows(Sequence):
   lengths (example lengths in tokens, e.g. (512, 2048, 16384)): each row picks one uniformly and holds
   (seq_len + 1) // L examples of that length, each its own segment with positions from 0, so under document
   masking a question attends over its own example only. The remainder of the row joins the last example when it
-  is at most L // 16 tokens; a longer one is a segment of <|endoftext|> padding without loss, so that an example
-  is never much longer than its L (384-token examples in 513-token rows were whole-row examples before). Short examples are
-  where a retrieval mechanism is learnt first (at initialisation attention is spread over every visible key:
+  is at most L // 16 tokens; a longer one is a segment of <|endoftext|> padding without loss, so that no example
+  is much longer than its L (a 384 in a 513-token row would otherwise be a 513-token example). Short examples
+  are where a retrieval mechanism is learnt first (at initialisation attention is spread over every visible key:
   1/L of it on the needle); the long ones train the full length. Short examples ask fewer questions: as many of
   `questions` as fit in half of the example.
   """
